@@ -1,0 +1,23 @@
+"""BatchEnsemble layers for Flax NNX.
+
+One shared weight ``W`` plus per-member rank-one fast weights ``r_k``, ``s_k``:
+member ``k`` behaves as if its weight were ``W * outer(r_k, s_k)``, and all members
+run as one member-major ``[E*B, ...]`` batch.
+"""
+
+from ensembles import initializers, ops
+from ensembles.layers import BatchEnsembleLinear
+from ensembles.members import tile, untile
+from ensembles.variables import FastWeight
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BatchEnsembleLinear",
+    "FastWeight",
+    "__version__",
+    "initializers",
+    "ops",
+    "tile",
+    "untile",
+]

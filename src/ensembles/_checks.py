@@ -1,0 +1,51 @@
+"""Argument checks shared by ops, layers and helpers.
+
+Every check raises before anything is computed or mutated, names the argument,
+shows the offending value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """Returns ``value`` as an ``int`` if it is an integer >= 1, else raises."""
+    if isinstance(value, bool):
+        raise TypeError(f"`{name}` must be an int >= 1, got the bool {value!r}.")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be an int >= 1, got {value!r} of type "
+            f"{type(value).__name__}."
+        ) from None
+    if as_int < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {as_int}.")
+    return as_int
+
+
+def check_num_members(num_members: Any) -> int:
+    """Checks the ensemble size ``num_members`` (E)."""
+    return check_positive_int(num_members, "num_members")
+
+
+def check_member_batch(
+    leading: int, num_members: int, name: str = "inputs.shape[0]"
+) -> int:
+    """Returns the per-member batch B of a member-major ``[E*B, ...]`` axis."""
+    if leading % num_members:
+        raise ValueError(
+            f"`{name}` (={leading}) must be a multiple of `num_members` "
+            f"(={num_members}): rows [k*B, (k+1)*B) belong to member k. Tile an "
+            f"un-tiled batch with `ensembles.tile(x, {num_members})`."
+        )
+    return leading // num_members
+
+
+def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    """Checks that ``value`` is one of the strings in ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
+    return value

@@ -1,0 +1,104 @@
+"""Initializers for the fast weights ``r`` and ``s``.
+
+Each function returns a JAX initializer ``(key, shape, dtype) -> Array`` like
+those in ``jax.nn.initializers``, so it can be passed as ``r_init`` / ``s_init``
+or used anywhere Flax takes an initializer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.nn.initializers import Initializer
+
+__all__ = ["Initializer", "normal", "ones", "random_sign"]
+
+
+def ones() -> Initializer:
+    """Fast weights of all ones: every member starts as the shared layer.
+
+    Converting a pretrained layer with ``ones()`` fast weights keeps its output
+    unchanged for every member.
+
+    >>> import jax
+    >>> from ensembles import initializers
+    >>> initializers.ones()(jax.random.key(0), (2, 3))
+    Array([[1., 1., 1.],
+           [1., 1., 1.]], dtype=float32)
+
+    Returns:
+      An initializer ``(key, shape, dtype=float32) -> Array``.
+    """
+
+    def init(
+        key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
+    ) -> jax.Array:
+        del key
+        return jnp.ones(shape, dtype)
+
+    return init
+
+
+def normal(mean: float = 1.0, stddev: float = 0.5) -> Initializer:
+    """Fast weights drawn from ``N(mean, stddev**2)``; the default ``N(1, 0.5**2)``.
+
+    That default is uncertainty-baselines' BatchEnsemble recipe.
+
+    >>> import jax
+    >>> from ensembles import initializers
+    >>> w = initializers.normal(1.0, 0.5)(jax.random.key(0), (4, 1000))
+    >>> bool(abs(w.mean() - 1.0) < 0.05), bool(abs(w.std() - 0.5) < 0.05)
+    (True, True)
+
+    Args:
+      mean: the mean of the distribution.
+      stddev: its standard deviation, >= 0.
+
+    Returns:
+      An initializer ``(key, shape, dtype=float32) -> Array``.
+
+    Raises:
+      ValueError: if ``stddev`` is negative.
+    """
+    if not stddev >= 0:
+        raise ValueError(f"`stddev` must be >= 0, got {stddev!r}.")
+
+    def init(
+        key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
+    ) -> jax.Array:
+        return mean + stddev * jax.random.normal(key, shape, dtype)
+
+    return init
+
+
+def random_sign(p: float = 0.5) -> Initializer:
+    """Fast weights of ``+1`` with probability ``p`` and ``-1`` otherwise.
+
+    >>> import jax
+    >>> from ensembles import initializers
+    >>> w = initializers.random_sign(0.5)(jax.random.key(0), (8,))
+    >>> sorted(set(w.tolist())) == [-1.0, 1.0]
+    True
+
+    Args:
+      p: probability of ``+1``, in ``[0, 1]``.
+
+    Returns:
+      An initializer ``(key, shape, dtype=float32) -> Array``.
+
+    Raises:
+      ValueError: if ``p`` is outside ``[0, 1]``.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"`p` must be a probability in [0, 1], got {p!r}.")
+
+    def init(
+        key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
+    ) -> jax.Array:
+        positive = jax.random.bernoulli(key, p, shape)
+        return jnp.where(positive, 1, -1).astype(dtype)
+
+    return init

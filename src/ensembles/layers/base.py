@@ -1,0 +1,110 @@
+"""What every BatchEnsemble layer shares: parameter creation and member views."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ensembles._checks import check_choice
+
+__all__ = ["BatchEnsembleModule", "check_member", "member_axis_metadata"]
+
+#: Metadata keys that hold one sharding name per array axis.
+_SHARDING_KEYS = ("sharding_names", "sharding")
+
+
+def check_member(member: Any, num_members: int) -> int:
+    """Checks a member index ``k`` for ``0 <= k < num_members``."""
+    if isinstance(member, bool):
+        raise TypeError(f"`member` must be an int, got the bool {member!r}.")
+    try:
+        index = operator.index(member)
+    except TypeError:
+        raise TypeError(
+            f"`member` must be an int, got {member!r} of type {type(member).__name__}."
+        ) from None
+    if not 0 <= index < num_members:
+        raise ValueError(
+            f"`member` must be in [0, num_members) = [0, {num_members}), got {index}."
+        )
+    return index
+
+
+def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Returns variable metadata for ``[E, ...]`` from metadata for ``[...]``.
+
+    Sharding annotations get a leading ``None``: the member axis is replicated
+    by default, like the fast weights, which are small.
+    """
+    out = dict(metadata)
+    for key in _SHARDING_KEYS:
+        if out.get(key) is not None:
+            out[key] = (None, *out[key])
+    return out
+
+
+def init_param(
+    variable_type: type[nnx.Variable],
+    initializer: Callable[..., jax.Array],
+    key: jax.Array,
+    shape: Sequence[int],
+    dtype: Any,
+    metadata: Mapping[str, Any],
+    name: str,
+) -> nnx.Variable:
+    """Runs ``initializer`` and checks it made the shape the layer needs."""
+    value = initializer(key, tuple(shape), dtype)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"`{name}` returned an array of shape {tuple(value.shape)}, but the "
+            f"layer needs shape {tuple(shape)}: pass an initializer that honours "
+            f"its `shape` argument."
+        )
+    return variable_type(value, **metadata)
+
+
+class BatchEnsembleModule(nnx.Module):
+    """Base of the BatchEnsemble layers: the ``member`` and ``impl`` views.
+
+    Subclasses set ``num_members``, ``member`` (``None``: all members on an
+    ``[E*B, ...]`` batch), ``impl`` and the tuple ``_impls`` their op accepts.
+    """
+
+    num_members: int
+    member: int | None
+    impl: str
+    _impls: tuple[str, ...]
+
+    def set_view(self, member: int | None = None, impl: str | None = None):
+        """Class method used by ``nnx.view``.
+
+        Args:
+          member: if an int ``k``, the layer runs member ``k`` alone on an
+            un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
+            effective weights would. ``None`` leaves the view unchanged.
+          impl: the op implementation, e.g. ``"xla"`` or ``"auto"``. ``None``
+            leaves it unchanged.
+        """
+        # Check everything before setting anything: a failed view mutates nothing.
+        if member is not None:
+            member = check_member(member, self.num_members)
+        if impl is not None:
+            impl = check_choice(impl, "impl", self._impls)
+        if member is not None:
+            self.member = member
+        if impl is not None:
+            self.impl = impl
+
+    def _members(self, *arrays: jax.Array | None) -> tuple[int, list]:
+        """Returns the ensemble size to run and the ``[E, ...]`` arrays for it.
+
+        In a member view that is member ``k``'s slice ``[k:k+1]`` of each array.
+        """
+        if self.member is None:
+            return self.num_members, list(arrays)
+        k = self.member
+        return 1, [None if a is None else a[k : k + 1] for a in arrays]

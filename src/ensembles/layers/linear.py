@@ -1,0 +1,291 @@
+"""BatchEnsemble linear layers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
+from jax import lax
+
+from ensembles import initializers as fast_initializers
+from ensembles._checks import check_num_members, check_positive_int
+from ensembles.layers.base import (
+    BatchEnsembleModule,
+    init_param,
+    member_axis_metadata,
+)
+from ensembles.ops import dense
+from ensembles.variables import FastWeight
+
+__all__ = ["BatchEnsembleLinear"]
+
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
+default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
+
+
+class BatchEnsembleLinear(BatchEnsembleModule):
+    """A BatchEnsemble linear layer: ``nnx.Linear`` with per-member fast weights.
+
+    Member ``k`` maps its rows ``[k*B, (k+1)*B)`` of a member-major
+    ``[E*B, ..., in_features]`` batch as an ``nnx.Linear`` with kernel
+    ``kernel * outer(r[k], s[k])`` and bias ``bias[k]`` would. All members run as
+    one batch through :func:`ensembles.ops.batch_ensemble_dense`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleLinear(3, 4, num_members=2, rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer))
+    State({
+      'bias': Param(
+        value=(2, 4)
+      ),
+      'kernel': Param(
+        value=(3, 4)
+      ),
+      'r': FastWeight(
+        value=(2, 3)
+      ),
+      's': FastWeight(
+        value=(2, 4)
+      )
+    })
+    >>> x = jnp.ones((5, 3))                         # an un-tiled batch, B=5
+    >>> layer(ensembles.tile(x, 2)).shape           # [E*B, out]
+    (10, 4)
+    >>> nnx.view(layer, member=1)(x).shape           # member 1 alone, [B, out]
+    (5, 4)
+
+    Args:
+      in_features: the number of input features.
+      out_features: the number of output features.
+      num_members: the ensemble size E (keyword-only, required).
+      use_bias: whether to add a per-member bias (default: True).
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the matmul, see ``jax.lax.Precision``.
+      kernel_init: initializer for the shared ``[in, out]`` kernel (default:
+        ``nnx.Linear``'s, LeCun normal).
+      bias_init: initializer for the ``[E, out]`` bias (default: zeros).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.5)).
+      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
+        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      preferred_element_type: accumulation/output dtype of the matmul, see
+        ``jax.lax.dot_general``.
+      impl: the op implementation, ``"auto"`` or ``"xla"``; see
+        :func:`ensembles.ops.batch_ensemble_dense`.
+      rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``.
+      kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
+      bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
+      fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
+    """
+
+    _impls = dense.IMPLS
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        num_members: int,
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        fast_weight_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        in_features = check_positive_int(in_features, "in_features")
+        out_features = check_positive_int(out_features, "out_features")
+        num_members = check_num_members(num_members)
+        impl = dense.check_impl(impl)
+
+        self.kernel = init_param(
+            nnx.Param,
+            kernel_init,
+            rngs.params(),
+            (in_features, out_features),
+            param_dtype,
+            kernel_metadata,
+            "kernel_init",
+        )
+        self.r = init_param(
+            FastWeight,
+            r_init,
+            rngs.params(),
+            (num_members, in_features),
+            param_dtype,
+            fast_weight_metadata,
+            "r_init",
+        )
+        self.s = init_param(
+            FastWeight,
+            s_init,
+            rngs.params(),
+            (num_members, out_features),
+            param_dtype,
+            fast_weight_metadata,
+            "s_init",
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = init_param(
+                nnx.Param,
+                bias_init,
+                rngs.params(),
+                (num_members, out_features),
+                param_dtype,
+                bias_metadata,
+                "bias_init",
+            )
+        else:
+            self.bias = nnx.data(None)
+
+        self.in_features = in_features
+        self.out_features = out_features
+        self.num_members = num_members
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.impl = impl
+        self.member: int | None = None
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nnx.Linear,
+        *,
+        num_members: int,
+        rngs: nnx.Rngs,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        share_kernel: bool = False,
+        impl: str = "auto",
+    ) -> BatchEnsembleLinear:
+        """Builds a BatchEnsemble layer around a pretrained ``nnx.Linear``.
+
+        The kernel is kept (a new ``Param`` holding the same values, so training
+        one layer never changes the other; the very same ``Param`` with
+        ``share_kernel=True``), and the bias is broadcast to every member. With
+        ``r_init = s_init = ones()`` every member computes exactly what
+        ``linear`` does. ``linear`` itself is never changed.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        >>> layer = ensembles.BatchEnsembleLinear.from_linear(
+        ...     linear, num_members=2, rngs=nnx.Rngs(1),
+        ...     r_init=ensembles.initializers.ones(),
+        ...     s_init=ensembles.initializers.ones())
+        >>> x = jnp.ones((5, 3))
+        >>> bool(jnp.allclose(layer(ensembles.tile(x, 2))[5:], linear(x)))
+        True
+
+        Args:
+          linear: the pretrained layer.
+          num_members: the ensemble size E.
+          rngs: rng keys for the fast weights.
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
+          share_kernel: if True, the new layer holds ``linear``'s kernel
+            ``Param`` itself, so updates to one are seen by the other.
+          impl: the op implementation.
+
+        Returns:
+          The new ``BatchEnsembleLinear``.
+
+        Raises:
+          TypeError: if ``linear`` is not an ``nnx.Linear``.
+          ValueError: if ``linear`` uses a custom ``dot_general``, which the
+            BatchEnsemble op cannot honour.
+        """
+        if not isinstance(linear, nnx.Linear):
+            raise TypeError(
+                f"`linear` must be an `nnx.Linear`, got {type(linear).__name__}."
+            )
+        if getattr(linear, "dot_general", lax.dot_general) not in (
+            lax.dot_general,
+            None,
+        ):
+            raise ValueError(
+                f"`linear.dot_general` is a custom function "
+                f"({linear.dot_general!r}); BatchEnsembleLinear computes with "
+                f"`jax.lax.dot_general` and would silently change the layer. "
+                f"Convert a layer built with the default `dot_general`."
+            )
+        kernel = linear.kernel[...]
+        bias = None if linear.bias is None else linear.bias[...]
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            num_members=num_members,
+            use_bias=bias is not None,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+            precision=linear.precision,
+            kernel_init=lambda key, shape, dtype: kernel,
+            bias_init=lambda key, shape, dtype: jnp.broadcast_to(bias, shape),
+            r_init=r_init,
+            s_init=s_init,
+            promote_dtype=linear.promote_dtype,
+            preferred_element_type=linear.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=linear.kernel.get_metadata(),
+            bias_metadata=(
+                {} if bias is None else member_axis_metadata(linear.bias.get_metadata())
+            ),
+        )
+        if share_kernel:
+            layer.kernel = linear.kernel
+        return layer
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies every member (or the viewed member) to its rows of ``inputs``.
+
+        Args:
+          inputs: ``[E*B, ..., in_features]`` member-major inputs; in a member
+            view (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...,
+            in_features]`` batch.
+
+        Returns:
+          The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
+        """
+        kernel = self.kernel[...]
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
+        inputs, kernel, r, s, bias = self.promote_dtype(
+            (inputs, kernel, r, s, bias), dtype=self.dtype
+        )
+        return dense.batch_ensemble_dense(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
+        )

@@ -1,0 +1,69 @@
+"""Moving between un-tiled ``[B, ...]`` batches and member-major ``[E*B, ...]`` ones."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ensembles._checks import check_member_batch, check_num_members
+
+__all__ = ["tile", "untile"]
+
+
+def _check_has_batch_axis(x: jax.Array, name: str) -> None:
+    if x.ndim < 1:
+        raise ValueError(
+            f"`{name}` must have a leading batch axis, got a scalar of shape {x.shape}."
+        )
+
+
+def tile(x: jax.Array, num_members: int) -> jax.Array:
+    """Repeats a ``[B, ...]`` batch for every member: ``[E*B, ...]``, member-major.
+
+    Rows ``[k*B, (k+1)*B)`` of the result are member ``k``'s copy of ``x``, so
+    every member sees the same examples (the BatchEnsemble training recipe).
+
+    >>> import jax.numpy as jnp
+    >>> import ensembles
+    >>> ensembles.tile(jnp.array([[1.0], [2.0]]), 3)[:, 0]
+    Array([1., 2., 1., 2., 1., 2.], dtype=float32)
+
+    Args:
+      x: a ``[B, ...]`` array.
+      num_members: the ensemble size E.
+
+    Returns:
+      The ``[E*B, ...]`` member-major batch.
+    """
+    num_members = check_num_members(num_members)
+    x = jnp.asarray(x)
+    _check_has_batch_axis(x, "x")
+    return jnp.broadcast_to(x, (num_members, *x.shape)).reshape(
+        num_members * x.shape[0], *x.shape[1:]
+    )
+
+
+def untile(y: jax.Array, num_members: int) -> jax.Array:
+    """Splits a member-major ``[E*B, ...]`` batch into ``[E, B, ...]``.
+
+    >>> import jax.numpy as jnp
+    >>> import ensembles
+    >>> ensembles.untile(jnp.arange(6.0), 2)
+    Array([[0., 1., 2.],
+           [3., 4., 5.]], dtype=float32)
+
+    Args:
+      y: an ``[E*B, ...]`` array, e.g. the outputs of an ensemble model.
+      num_members: the ensemble size E.
+
+    Returns:
+      ``y`` reshaped to ``[E, B, ...]``: entry ``k`` holds member ``k``'s rows.
+
+    Raises:
+      ValueError: if ``y.shape[0]`` is not a multiple of ``num_members``.
+    """
+    num_members = check_num_members(num_members)
+    y = jnp.asarray(y)
+    _check_has_batch_axis(y, "y")
+    batch = check_member_batch(y.shape[0], num_members, name="y.shape[0]")
+    return y.reshape(num_members, batch, *y.shape[1:])

@@ -443,3 +443,50 @@ class TestErrors:
             r".* but the layer needs shape",
         ):
             make_layer(**{name: bad})
+
+
+class TestExtractMember:
+    @pytest.mark.parametrize("use_bias", [True, False])
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_extracted_member_is_a_plain_linear_matching_the_member(
+        self, use_bias, dtype
+    ):
+        layer = make_layer(
+            3,
+            use_bias=use_bias,
+            param_dtype=dtype,
+            bias_init=nnx.initializers.normal(1.0),
+        )
+        x = random_input(0, (2, 4, 6), dtype)
+        full = ensembles.untile(layer(ensembles.tile(x, 3)), 3)
+        for k in range(3):
+            linear = layer.extract_member(k)
+            assert type(linear) is nnx.Linear
+            assert linear.kernel[...].dtype == dtype
+            assert (linear.bias is None) is (not use_bias)
+            assert_close(linear(x), full[k], dtype, scale=4)
+            assert_close(linear(x), nnx.view(layer, member=k)(x), dtype, scale=4)
+            np.testing.assert_array_equal(
+                linear.kernel[...],
+                layer.kernel[...] * jnp.outer(layer.r[k], layer.s[k]).astype(dtype),
+            )
+
+    def test_roundtrip_through_from_linear_with_ones(self):
+        linear = nnx.Linear(6, 4, rngs=nnx.Rngs(0))
+        layer = BatchEnsembleLinear.from_linear(
+            linear,
+            num_members=2,
+            rngs=nnx.Rngs(1),
+            r_init=initializers.ones(),
+            s_init=initializers.ones(),
+        )
+        back = layer.extract_member(1)
+        jax.tree.map(np.testing.assert_array_equal, nnx.state(back), nnx.state(linear))
+
+    def test_layer_unchanged_and_bad_member(self):
+        layer = make_layer(3)
+        before = jax.tree.map(np.array, nnx.state(layer))
+        layer.extract_member(2).kernel[...] = jnp.zeros((6, 4))
+        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
+        with pytest.raises(ValueError, match=r"`member` must be in \[0, num_members\)"):
+            layer.extract_member(3)

@@ -11,7 +11,12 @@ from flax import nnx
 
 from ensembles._checks import check_choice
 
-__all__ = ["BatchEnsembleModule", "check_member", "member_axis_metadata"]
+__all__ = [
+    "BatchEnsembleModule",
+    "check_member",
+    "member_axis_metadata",
+    "without_member_axis_metadata",
+]
 
 #: Metadata keys that hold one sharding name per array axis.
 _SHARDING_KEYS = ("sharding_names", "sharding")
@@ -45,6 +50,27 @@ def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
         if out.get(key) is not None:
             out[key] = (None, *out[key])
     return out
+
+
+def without_member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`member_axis_metadata`: metadata for one member's slice."""
+    out = dict(metadata)
+    for key in _SHARDING_KEYS:
+        if out.get(key) is not None:
+            out[key] = tuple(out[key])[1:]
+    return out
+
+
+def plain_layer(factory: Callable[[], nnx.Module], **params: nnx.Variable):
+    """Builds a Flax layer without initialising it, then sets its parameters.
+
+    ``factory`` runs abstractly (``nnx.eval_shape``), so no random kernel is
+    drawn only to be overwritten.
+    """
+    layer = nnx.eval_shape(factory)
+    for name, variable in params.items():
+        setattr(layer, name, variable)
+    return layer
 
 
 def init_param(
@@ -98,6 +124,16 @@ class BatchEnsembleModule(nnx.Module):
             self.member = member
         if impl is not None:
             self.impl = impl
+
+    def extract_member(self, member: int) -> nnx.Module:
+        """Returns member ``member`` as the plain Flax layer it behaves as.
+
+        Subclasses implement it; the result maps an un-tiled ``[B, ...]`` batch
+        exactly as ``nnx.view(self, member=member)`` does.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement extract_member."
+        )
 
     def _members(self, *arrays: jax.Array | None) -> tuple[int, list]:
         """Returns the ensemble size to run and the ``[E, ...]`` arrays for it.

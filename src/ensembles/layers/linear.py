@@ -17,8 +17,11 @@ from ensembles import initializers as fast_initializers
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
+    check_member,
     init_param,
     member_axis_metadata,
+    plain_layer,
+    without_member_axis_metadata,
 )
 from ensembles.ops import dense
 from ensembles.variables import FastWeight
@@ -260,6 +263,55 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         if share_kernel:
             layer.kernel = linear.kernel
         return layer
+
+    def extract_member(self, member: int) -> nnx.Linear:
+        """Returns member ``member`` as a plain ``nnx.Linear``.
+
+        Its kernel is ``kernel * outer(r[member], s[member])`` and its bias
+        ``bias[member]``; it maps an un-tiled ``[B, ..., in]`` batch as
+        ``nnx.view(self, member=member)`` does (up to rounding: the member view
+        scales activations, the plain layer holds the scaled kernel).
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> layer = ensembles.BatchEnsembleLinear(3, 4, num_members=2,
+        ...                                       rngs=nnx.Rngs(0))
+        >>> linear = layer.extract_member(1)
+        >>> type(linear).__name__, linear.kernel.shape, linear.bias.shape
+        ('Linear', (3, 4), (4,))
+        >>> x = jnp.ones((5, 3))
+        >>> bool(jnp.allclose(linear(x), nnx.view(layer, member=1)(x), atol=1e-6))
+        True
+
+        Args:
+          member: the member index k, ``0 <= k < num_members``.
+
+        Returns:
+          A new ``nnx.Linear``; this layer is not changed.
+        """
+        k = check_member(member, self.num_members)
+        kernel = self.kernel[...] * jnp.outer(self.r[k], self.s[k]).astype(
+            self.kernel.dtype
+        )
+        params = {"kernel": nnx.Param(kernel, **self.kernel.get_metadata())}
+        if self.bias is not None:
+            metadata = without_member_axis_metadata(self.bias.get_metadata())
+            params["bias"] = nnx.Param(self.bias[k], **metadata)
+        return plain_layer(
+            lambda: nnx.Linear(
+                self.in_features,
+                self.out_features,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=nnx.Rngs(0),
+            ),
+            **params,
+        )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.

@@ -75,7 +75,7 @@ def main(argv=None):
     print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f}s")
 
     logits = ensembles.untile(model(ensembles.tile(x_test, num_members)), num_members)
-    member_acc = (jnp.argmax(logits, -1) == y_test).mean(axis=1)
+    member_acc = (jnp.argmax(logits, -1) == y_test[None]).mean(axis=1)
     probs = jax.nn.softmax(logits, -1).mean(axis=0)
     ensemble_acc = float((jnp.argmax(probs, -1) == y_test).mean())
     for k, acc in enumerate(member_acc):

@@ -5,19 +5,28 @@ member ``k`` behaves as if its weight were ``W * outer(r_k, s_k)``, and all memb
 run as one member-major ``[E*B, ...]`` batch.
 """
 
-from ensembles import initializers, ops
+from ensembles import initializers, ops, optim
+from ensembles.convert import extract_member, to_batch_ensemble
+from ensembles.ensemble import Ensemble
 from ensembles.layers import BatchEnsembleLinear
 from ensembles.members import tile, untile
+from ensembles.summary import EnsembleSummary, summary
 from ensembles.variables import FastWeight
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BatchEnsembleLinear",
+    "Ensemble",
+    "EnsembleSummary",
     "FastWeight",
     "__version__",
+    "extract_member",
     "initializers",
     "ops",
+    "optim",
+    "summary",
     "tile",
+    "to_batch_ensemble",
     "untile",
 ]

@@ -1,0 +1,199 @@
+"""Whole-model conversion: ``to_batch_ensemble`` and ``extract_member``.
+
+Both walk the model graph with ``nnx.recursive_map``, which copies the module
+structure, converts every shared submodule once and re-links every reference to
+it, and keeps ``nnx.List`` / ``nnx.Dict`` / ``nnx.Sequential`` containers intact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from flax import nnx
+from flax.nnx import filterlib
+
+from ensembles._checks import check_choice, check_num_members
+from ensembles.ensemble import Ensemble
+from ensembles.initializers import Initializer
+from ensembles.layers.base import BatchEnsembleModule
+from ensembles.layers.linear import BatchEnsembleLinear, default_fast_weight_init
+
+__all__ = ["CONVERTERS", "NORM_CONVERTERS", "extract_member", "to_batch_ensemble"]
+
+M = TypeVar("M")
+
+#: Flax layer type -> the ``from_*`` classmethod of its BatchEnsemble sibling.
+#: Each is called as ``from_x(layer, num_members=, rngs=, r_init=, s_init=,
+#: share_kernel=)``. Exact types: a subclass may compute something else.
+CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {
+    nnx.Linear: BatchEnsembleLinear.from_linear,
+}
+
+#: Flax norm type -> the ``from_*`` classmethod of its per-member norm, used with
+#: ``norms="member"``; called as ``from_x(norm, num_members=)``.
+NORM_CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {}
+
+_NORM_MODES = ("shared", "member")
+
+
+def to_batch_ensemble(
+    model: M,
+    *,
+    num_members: int,
+    rngs: nnx.Rngs,
+    only: filterlib.Filter = ...,
+    r_init: Initializer = default_fast_weight_init,
+    s_init: Initializer = default_fast_weight_init,
+    norms: str = "shared",
+    share_weights: bool = False,
+) -> M:
+    """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
+
+    Every ``nnx.Linear`` (and every other layer in :data:`CONVERTERS`) selected
+    by ``only`` is replaced by its BatchEnsemble sibling built with ``from_*``:
+    the kernel is kept, the bias is broadcast to every member and each fresh
+    layer draws its own fast weights from ``rngs``. With ``r_init = s_init =
+    ones()`` every member computes exactly what ``model`` does. ``model`` itself
+    is never changed. Layers that are already BatchEnsemble layers are left
+    alone, so converting twice is a no-op.
+
+    The converted model takes member-major ``[E*B, ...]`` batches (see
+    :func:`ensembles.tile`, or wrap it in :class:`ensembles.Ensemble`).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+    >>> ensemble = ensembles.to_batch_ensemble(model, num_members=4,
+    ...                                        rngs=nnx.Rngs(2))
+    >>> type(ensemble.layers[0]).__name__, type(model.layers[0]).__name__
+    ('BatchEnsembleLinear', 'Linear')
+    >>> ensemble(ensembles.tile(jnp.ones((5, 3)), 4)).shape
+    (20, 2)
+
+    Args:
+      model: any NNX model (modules nested in attributes, ``nnx.List``,
+        ``nnx.Dict``, ``nnx.Sequential``; shared submodules stay shared).
+      num_members: the ensemble size E.
+      rngs: rng keys for the fast weights.
+      only: an NNX filter (types, path predicates, ...) selecting which
+        convertible layers to convert; default: all of them.
+      r_init: initializer for every converted layer's ``r``.
+      s_init: initializer for every converted layer's ``s``.
+      norms: ``"shared"`` keeps norm layers as they are (statistics and scale
+        shared by all members); ``"member"`` replaces every norm in
+        :data:`NORM_CONVERTERS` by its per-member sibling.
+      share_weights: if True, the new model holds ``model``'s very Variables
+        (kernels and every unconverted parameter), so training one trains the
+        other; by default it holds copies.
+
+    Returns:
+      The converted model, of the same type as ``model``.
+
+    Raises:
+      ValueError: if nothing was converted, or an argument is invalid.
+    """
+    num_members = check_num_members(num_members)
+    norms = check_choice(norms, "norms", _NORM_MODES)
+    predicate = filterlib.to_predicate(only)
+    converted: list[str] = []
+
+    def convert(path, node):
+        kind = type(node)
+        if kind in CONVERTERS and predicate(path, node):
+            converted.append("/".join(map(str, path)))
+            return CONVERTERS[kind](
+                node,
+                num_members=num_members,
+                rngs=rngs,
+                r_init=r_init,
+                s_init=s_init,
+                # `node` belongs to the private copy (or, with share_weights,
+                # is meant to be shared): holding its kernel is what we want.
+                share_kernel=True,
+            )
+        if norms == "member" and kind in NORM_CONVERTERS and predicate(path, node):
+            converted.append("/".join(map(str, path)))
+            return NORM_CONVERTERS[kind](node, num_members=num_members)
+        return node
+
+    source = model if share_weights else nnx.clone(model)
+    result = nnx.recursive_map(convert, source, graph=True)
+    if not converted:
+        already = [p for p, n in nnx.iter_graph(model) if _is_ensemble_layer(n)]
+        hint = (
+            f" It already holds {len(already)} BatchEnsemble layer(s): it looks "
+            f"converted."
+            if already
+            else f" Convertible types: {sorted(t.__name__ for t in CONVERTERS)}"
+            f"; `only`={only!r}."
+        )
+        raise ValueError(
+            f"to_batch_ensemble found no layer to convert in "
+            f"{type(model).__name__}.{hint}"
+        )
+    return result
+
+
+def _is_ensemble_layer(node: Any) -> bool:
+    return isinstance(node, BatchEnsembleModule)
+
+
+def extract_member(model: M, member: int) -> M:
+    """Returns member ``member`` of a BatchEnsemble model as a plain Flax model.
+
+    Every BatchEnsemble layer is replaced by the original Flax layer holding the
+    member's effective weights (``nnx.Linear`` with kernel
+    ``kernel * outer(r_k, s_k)`` and bias ``bias_k``; per-member norms by the
+    Flax norm with member ``k``'s scale, bias and statistics). The result maps
+    an un-tiled ``[B, ...]`` batch exactly as member ``k`` does, and as
+    ``nnx.view(model, member=k)`` does. ``model`` is not changed and shares no
+    Variables with the result.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    >>> ensemble = ensembles.to_batch_ensemble(model, num_members=4,
+    ...                                        rngs=nnx.Rngs(1))
+    >>> member = ensembles.extract_member(ensemble, 2)
+    >>> type(member.layers[0]).__name__
+    'Linear'
+    >>> x = jnp.ones((5, 3))
+    >>> full = ensembles.untile(ensemble(ensembles.tile(x, 4)), 4)
+    >>> bool(jnp.allclose(member(x), full[2], atol=1e-5))
+    True
+
+    Args:
+      model: a model holding BatchEnsemble layers (e.g. from
+        :func:`to_batch_ensemble`); an :class:`ensembles.Ensemble` is unwrapped.
+      member: the member index k.
+
+    Returns:
+      The plain model of member ``k``.
+
+    Raises:
+      ValueError: if ``model`` holds no BatchEnsemble layer or ``member`` is out
+        of range for one of them.
+    """
+    found: list[str] = []
+
+    def extract(path, node):
+        if isinstance(node, Ensemble):
+            # Its model was extracted already (the walk is bottom-up).
+            return node.model
+        if _is_ensemble_layer(node):
+            found.append("/".join(map(str, path)))
+            return node.extract_member(member)
+        return node
+
+    result = nnx.recursive_map(extract, nnx.clone(model), graph=True)
+    if not found:
+        raise ValueError(
+            f"`model` ({type(model).__name__}) holds no BatchEnsemble layer: "
+            f"there is no member to extract. Convert it with "
+            f"`ensembles.to_batch_ensemble` first."
+        )
+    return result

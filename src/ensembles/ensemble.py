@@ -1,0 +1,100 @@
+"""``Ensemble``: run a BatchEnsemble model on an un-tiled batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from ensembles._checks import check_num_members
+from ensembles.layers.base import BatchEnsembleModule, check_member
+from ensembles.members import tile, untile
+
+__all__ = ["Ensemble"]
+
+
+class Ensemble(nnx.Module):
+    """Wraps a BatchEnsemble model: ``[B, ...]`` in, ``[E, B, ...]`` out.
+
+    ``__call__`` tiles its first argument for every member, runs the model on
+    the member-major ``[E*B, ...]`` batch and splits every output leaf into
+    ``[E, B, ...]``. Other arguments are passed through unchanged. In a member
+    view (``nnx.view(ensemble, member=k)``) the model runs member ``k`` alone
+    and the output is that member's ``[B, ...]``, as the plain model's would be.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> model = ensembles.to_batch_ensemble(
+    ...     nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0))),
+    ...     num_members=4, rngs=nnx.Rngs(1))
+    >>> ensemble = ensembles.Ensemble(model, num_members=4)
+    >>> ensemble(jnp.ones((5, 3))).shape
+    (4, 5, 2)
+    >>> nnx.view(ensemble, member=1)(jnp.ones((5, 3))).shape
+    (5, 2)
+
+    Args:
+      model: a model whose BatchEnsemble layers all have ``num_members``
+        members.
+      num_members: the ensemble size E.
+
+    Raises:
+      ValueError: if a BatchEnsemble layer in ``model`` has another size.
+    """
+
+    def __init__(self, model: Any, *, num_members: int):
+        num_members = check_num_members(num_members)
+        for path, node in nnx.iter_graph(model):
+            size = getattr(node, "num_members", num_members)
+            if isinstance(node, BatchEnsembleModule) and size != num_members:
+                where = "/".join(map(str, path))
+                raise ValueError(
+                    f"`num_members` (={num_members}) must match the model's "
+                    f"layers, but `{where}` ({type(node).__name__}) has "
+                    f"num_members={size}."
+                )
+        self.model = model
+        self.num_members = num_members
+        self.member: int | None = None
+
+    def __call__(self, inputs: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        """Runs every member on ``inputs`` and returns ``[E, B, ...]`` outputs.
+
+        Args:
+          inputs: an un-tiled ``[B, ...]`` batch.
+          *args: passed to the model unchanged.
+          **kwargs: passed to the model unchanged.
+
+        Returns:
+          The model's outputs with every leaf split to ``[E, B, ...]`` (in a
+          member view: the member's ``[B, ...]`` outputs).
+        """
+        if self.member is not None:
+            return self.model(inputs, *args, **kwargs)
+        outputs = self.model(tile(inputs, self.num_members), *args, **kwargs)
+        return jax.tree.map(lambda y: untile(y, self.num_members), outputs)
+
+    def set_view(self, member: int | None = None):
+        """Class method used by ``nnx.view``.
+
+        Args:
+          member: if an int ``k``, ``__call__`` runs member ``k`` alone and
+            returns its ``[B, ...]`` outputs. ``None`` leaves it unchanged.
+        """
+        if member is not None:
+            self.member = check_member(member, self.num_members)
+
+    def extract_member(self, member: int) -> Any:
+        """Returns member ``member`` of the wrapped model as a plain Flax model.
+
+        Args:
+          member: the member index k.
+
+        Returns:
+          ``ensembles.extract_member(self.model, member)``.
+        """
+        from ensembles.convert import extract_member
+
+        return extract_member(self.model, member)

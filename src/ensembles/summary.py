@@ -1,0 +1,148 @@
+"""``summary``: what a BatchEnsemble model holds, against a deep ensemble."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ensembles.layers.base import BatchEnsembleModule
+from ensembles.variables import FastWeight
+
+__all__ = ["EnsembleSummary", "summary"]
+
+
+def _count(state: Any) -> int:
+    return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(state)))
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleSummary:
+    """Parameter counts of a BatchEnsemble model; ``str()`` renders a table.
+
+    Attributes:
+      num_members: the ensemble size E.
+      layers: one ``(path, type name, shared, fast, per-member)`` row per
+        BatchEnsemble layer.
+      shared_params: parameters every member uses (kernels, unconverted layers).
+      fast_params: fast-weight parameters (``r``, ``s``) of all members.
+      member_params: other per-member parameters (biases, member norms).
+      total_params: everything: shared + fast + per-member.
+      single_params: one plain member (``extract_member(model, 0)``).
+      deep_ensemble_params: E independent copies: ``E * single_params``.
+    """
+
+    num_members: int
+    layers: tuple[tuple[str, str, int, int, int], ...]
+    shared_params: int
+    fast_params: int
+    member_params: int
+    total_params: int
+    single_params: int
+    deep_ensemble_params: int
+
+    def __str__(self) -> str:
+        head = ("layer", "type", "shared", "fast", "per-member")
+        rows = [
+            head,
+            *((p, t, f"{s:,}", f"{f:,}", f"{m:,}") for p, t, s, f, m in self.layers),
+        ]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
+        lines = [
+            "  ".join(
+                str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        ]
+        ratio = self.total_params / self.deep_ensemble_params
+        lines += [
+            "",
+            f"members: {self.num_members}",
+            f"total parameters: {self.total_params:,} (shared {self.shared_params:,}"
+            f", fast {self.fast_params:,}, per-member {self.member_params:,})",
+            f"one member alone: {self.single_params:,}",
+            f"deep ensemble of {self.num_members}: {self.deep_ensemble_params:,} "
+            f"(this model holds {ratio:.1%} of that)",
+        ]
+        return "\n".join(lines)
+
+
+def summary(model: Any) -> EnsembleSummary:
+    """Counts what a BatchEnsemble model holds and what a deep ensemble would.
+
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> model = ensembles.to_batch_ensemble(
+    ...     nnx.Sequential(nnx.Linear(10, 20, rngs=nnx.Rngs(0))),
+    ...     num_members=4, rngs=nnx.Rngs(1))
+    >>> info = ensembles.summary(model)
+    >>> info.shared_params, info.fast_params, info.member_params
+    (200, 120, 80)
+    >>> info.deep_ensemble_params                    # 4 * (200 + 20)
+    880
+    >>> print(info)                                  # doctest: +ELLIPSIS
+    layer     type                 shared  fast  per-member
+    layers/0  BatchEnsembleLinear     200   120          80
+    ...
+    deep ensemble of 4: 880 (this model holds 45.5% of that)
+
+    Args:
+      model: a model holding BatchEnsemble layers.
+
+    Returns:
+      An :class:`EnsembleSummary`.
+
+    Raises:
+      ValueError: if ``model`` holds no BatchEnsemble layer, or layers with
+        different numbers of members.
+    """
+    from ensembles.convert import extract_member
+
+    layers = []
+    sizes = set()
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, BatchEnsembleModule):
+            sizes.add(node.num_members)
+            # A layer's kernel is shared by its members, r and s are fast, and
+            # everything else (biases, norm scales) has one copy per member.
+            flat = nnx.to_flat_state(nnx.state(node, nnx.Param))
+            shared = fast = member = 0
+            for var_path, variable in flat:
+                size = int(np.prod(variable.shape))
+                if isinstance(variable, FastWeight):
+                    fast += size
+                elif var_path[-1] == "kernel":
+                    shared += size
+                else:
+                    member += size
+            layers.append(
+                ("/".join(map(str, path)), type(node).__name__, shared, fast, member)
+            )
+    if not layers:
+        raise ValueError(
+            f"`model` ({type(model).__name__}) holds no BatchEnsemble layer; "
+            f"convert it with `ensembles.to_batch_ensemble` first."
+        )
+    if len(sizes) > 1:
+        raise ValueError(f"`model` mixes ensemble sizes {sorted(sizes)}.")
+    (num_members,) = sizes
+    total = _count(nnx.state(model, nnx.Param))
+    fast = sum(row[3] for row in layers)
+    member = sum(row[4] for row in layers)
+    single = _count(
+        nnx.state(nnx.eval_shape(lambda: extract_member(model, 0)), nnx.Param)
+    )
+    return EnsembleSummary(
+        num_members=num_members,
+        layers=tuple(layers),
+        shared_params=total - fast - member,
+        fast_params=fast,
+        member_params=member,
+        total_params=total,
+        single_params=single,
+        deep_ensemble_params=num_members * single,
+    )

@@ -1,0 +1,333 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import ensembles
+from ensembles import BatchEnsembleLinear, initializers
+from tests.tolerances import assert_close
+
+ONES = {"r_init": initializers.ones(), "s_init": initializers.ones()}
+
+
+def random_input(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+class MLP(nnx.Module):
+    """Attributes, an nnx.List, an nnx.Dict and one submodule used twice."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+        self.shared = nnx.Linear(8, 8, rngs=rngs)
+        self.heads = nnx.Dict(out=nnx.Linear(8, 3, rngs=rngs))
+
+    def __call__(self, x):
+        x = nnx.relu(self.inp(x))
+        for block in self.blocks:
+            x = nnx.relu(block(x))
+        x = nnx.relu(self.shared(self.shared(x)))
+        return self.heads["out"](x)
+
+
+def count(model, kind):
+    return sum(type(node) is kind for _, node in nnx.iter_graph(model))
+
+
+def state_arrays(model):
+    return jax.tree.map(np.array, nnx.state(model))
+
+
+class TestToBatchEnsemble:
+    def test_layer_counts_and_shared_submodule_stays_shared(self):
+        model = MLP(nnx.Rngs(0))
+        ensemble = ensembles.to_batch_ensemble(model, num_members=3, rngs=nnx.Rngs(1))
+        assert count(ensemble, nnx.Linear) == 0
+        assert count(ensemble, BatchEnsembleLinear) == 5  # shared counted once
+        assert isinstance(ensemble.blocks, nnx.List)
+        assert isinstance(ensemble.heads, nnx.Dict)
+        assert type(ensemble) is MLP
+
+    def test_ones_reproduce_the_original_for_every_member(self):
+        model = MLP(nnx.Rngs(0))
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=3, rngs=nnx.Rngs(1), **ONES
+        )
+        x = random_input(0, (5, 4))
+        y = ensembles.untile(ensemble(ensembles.tile(x, 3)), 3)
+        for k in range(3):
+            assert_close(y[k], model(x))
+
+    def test_original_is_bit_identical_and_independent(self):
+        model = MLP(nnx.Rngs(0))
+        before = state_arrays(model)
+        ensemble = ensembles.to_batch_ensemble(model, num_members=2, rngs=nnx.Rngs(1))
+        ensemble.inp.kernel[...] = jnp.zeros((4, 8))
+        jax.tree.map(np.testing.assert_array_equal, before, state_arrays(model))
+        assert type(model.inp) is nnx.Linear
+
+    def test_share_weights_holds_the_original_variables(self):
+        model = MLP(nnx.Rngs(0))
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=2, rngs=nnx.Rngs(1), share_weights=True
+        )
+        assert ensemble.inp.kernel is model.inp.kernel
+        assert type(model.inp) is nnx.Linear  # the structure is still a copy
+
+    def test_converting_twice_is_a_no_op(self):
+        model = MLP(nnx.Rngs(0))
+        once = ensembles.to_batch_ensemble(model, num_members=2, rngs=nnx.Rngs(1))
+        with pytest.raises(ValueError, match=r"no layer to convert.*already holds 5"):
+            ensembles.to_batch_ensemble(once, num_members=2, rngs=nnx.Rngs(2))
+
+    def test_random_fast_weights_make_members_differ(self):
+        model = MLP(nnx.Rngs(0))
+        ensemble = ensembles.to_batch_ensemble(model, num_members=3, rngs=nnx.Rngs(1))
+        y = ensembles.untile(ensemble(ensembles.tile(random_input(0, (5, 4)), 3)), 3)
+        assert not np.allclose(y[0], y[1]) and not np.allclose(y[1], y[2])
+        # ... and every fresh layer drew its own keys.
+        assert not np.allclose(ensemble.blocks[0].r[...], ensemble.blocks[1].r[...])
+
+    def test_only_filter(self):
+        model = MLP(nnx.Rngs(0))
+        head_only = ensembles.to_batch_ensemble(
+            model,
+            num_members=2,
+            rngs=nnx.Rngs(1),
+            only=lambda path, node: "heads" in path,
+        )
+        assert type(head_only.heads["out"]) is BatchEnsembleLinear
+        assert type(head_only.inp) is nnx.Linear
+        assert count(head_only, BatchEnsembleLinear) == 1
+
+    def test_nothing_to_convert(self):
+        with pytest.raises(ValueError, match=r"found no layer to convert in Dropout"):
+            ensembles.to_batch_ensemble(
+                nnx.Dropout(0.5), num_members=2, rngs=nnx.Rngs(0)
+            )
+
+    @pytest.mark.parametrize(
+        "kwargs, error, match",
+        [
+            ({"num_members": 0}, ValueError, r"`num_members` must be an int >= 1"),
+            ({"norms": "per-member"}, ValueError, r"`norms` must be one of"),
+        ],
+    )
+    def test_bad_arguments(self, kwargs, error, match):
+        model = MLP(nnx.Rngs(0))
+        before = state_arrays(model)
+        with pytest.raises(error, match=match):
+            ensembles.to_batch_ensemble(
+                model, rngs=nnx.Rngs(0), **{"num_members": 2, **kwargs}
+            )
+        jax.tree.map(np.testing.assert_array_equal, before, state_arrays(model))
+
+
+class TestExtractMember:
+    def test_extract_equals_view_equals_rows(self):
+        ensemble = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=3, rngs=nnx.Rngs(1)
+        )
+        x = random_input(0, (5, 4))
+        full = ensembles.untile(ensemble(ensembles.tile(x, 3)), 3)
+        for k in range(3):
+            member = ensembles.extract_member(ensemble, k)
+            assert count(member, BatchEnsembleLinear) == 0
+            assert count(member, nnx.Linear) == 5
+            assert member.shared is member.blocks[0] or count(member, nnx.Linear) == 5
+            assert_close(member(x), full[k])
+            assert_close(nnx.view(ensemble, member=k)(x), full[k])
+
+    def test_ones_roundtrip_gives_back_the_original(self):
+        model = MLP(nnx.Rngs(0))
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=2, rngs=nnx.Rngs(1), **ONES
+        )
+        back = ensembles.extract_member(ensemble, 1)
+        jax.tree.map(
+            np.testing.assert_array_equal, state_arrays(back), state_arrays(model)
+        )
+
+    def test_extracted_model_is_independent(self):
+        ensemble = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=2, rngs=nnx.Rngs(1)
+        )
+        before = state_arrays(ensemble)
+        member = ensembles.extract_member(ensemble, 0)
+        member.inp.kernel[...] = jnp.zeros((4, 8))
+        jax.tree.map(np.testing.assert_array_equal, before, state_arrays(ensemble))
+
+    def test_errors(self):
+        with pytest.raises(ValueError, match=r"holds no BatchEnsemble layer"):
+            ensembles.extract_member(MLP(nnx.Rngs(0)), 0)
+        ensemble = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=2, rngs=nnx.Rngs(1)
+        )
+        with pytest.raises(ValueError, match=r"`member` must be in \[0, num_members\)"):
+            ensembles.extract_member(ensemble, 2)
+
+
+class TestEnsemble:
+    def test_call_tiles_and_untiles(self):
+        model = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=3, rngs=nnx.Rngs(1)
+        )
+        ensemble = ensembles.Ensemble(model, num_members=3)
+        x = random_input(0, (5, 4))
+        y = ensemble(x)
+        assert y.shape == (3, 5, 3)
+        np.testing.assert_array_equal(
+            y, ensembles.untile(model(ensembles.tile(x, 3)), 3)
+        )
+        y_jit = nnx.jit(lambda m, x: m(x))(ensemble, x)
+        assert_close(y_jit, y)
+
+    def test_member_view_and_extract(self):
+        model = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=3, rngs=nnx.Rngs(1)
+        )
+        ensemble = ensembles.Ensemble(model, num_members=3)
+        x = random_input(0, (5, 4))
+        y = ensemble(x)
+        assert_close(nnx.view(ensemble, member=2)(x), y[2])
+        assert_close(ensembles.extract_member(ensemble, 1)(x), y[1])
+        assert type(ensembles.extract_member(ensemble, 1)) is MLP
+        assert_close(ensemble.extract_member(0)(x), y[0])
+
+    def test_pytree_outputs(self):
+        class TwoHeads(nnx.Module):
+            def __init__(self, rngs):
+                self.a = BatchEnsembleLinear(4, 2, num_members=2, rngs=rngs)
+                self.b = BatchEnsembleLinear(4, 1, num_members=2, rngs=rngs)
+
+            def __call__(self, x):
+                return {"a": self.a(x), "b": self.b(x)}
+
+        out = ensembles.Ensemble(TwoHeads(nnx.Rngs(0)), num_members=2)(
+            random_input(0, (3, 4))
+        )
+        assert out["a"].shape == (2, 3, 2) and out["b"].shape == (2, 3, 1)
+
+    def test_size_mismatch(self):
+        model = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=3, rngs=nnx.Rngs(1)
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"`num_members` \(=2\) must match.*"
+            r"num_members=3",
+        ):
+            ensembles.Ensemble(model, num_members=2)
+
+
+class TestOptim:
+    def test_split_applies_different_updates_by_hand(self):
+        model = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=2, rngs=nnx.Rngs(1)
+        )
+        shared_lr, fast_lr = 0.1, 0.025
+        tx = ensembles.optim.split_fast_weights(
+            optax.sgd(shared_lr), optax.sgd(fast_lr)
+        )
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        x = random_input(0, (6, 4))
+        before = state_arrays(model)
+
+        def loss_fn(model):
+            return jnp.mean(model(x) ** 2)
+
+        grads = nnx.grad(loss_fn)(model)
+        nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
+        after = state_arrays(model)
+        grads = jax.tree.map(np.array, grads)
+        for name, lr in [
+            ("kernel", shared_lr),
+            ("bias", shared_lr),
+            ("r", fast_lr),
+            ("s", fast_lr),
+        ]:
+            expected = before["inp"][name] - lr * grads["inp"][name]
+            np.testing.assert_allclose(
+                after["inp"][name], expected, rtol=1e-6, atol=1e-7
+            )
+
+    def test_weight_decay_only_on_shared_weights(self):
+        model = BatchEnsembleLinear(3, 2, num_members=2, rngs=nnx.Rngs(0))
+        tx = ensembles.optim.split_fast_weights(
+            optax.add_decayed_weights(0.5), optax.identity()
+        )
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        before = state_arrays(model)
+        zero_grads = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+        optimizer.update(model, zero_grads)
+        # add_decayed_weights returns +0.5 * param as the update; apply_updates adds it.
+        np.testing.assert_allclose(model.kernel[...], 1.5 * before["kernel"], rtol=1e-6)
+        np.testing.assert_array_equal(model.r[...], before["r"])
+
+    def test_labels_and_mask(self):
+        model = BatchEnsembleLinear(3, 2, num_members=2, rngs=nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        labels = ensembles.optim.fast_weight_labels(params)
+        assert dict(labels) == {
+            "kernel": "shared",
+            "bias": "shared",
+            "r": "fast",
+            "s": "fast",
+        }
+        pure = ensembles.optim.fast_weight_labels(nnx.as_pure(params))
+        assert dict(pure) == dict(labels)
+
+    def test_name_clash_is_reported(self):
+        class Clash(nnx.Module):
+            def __init__(self):
+                self.r = nnx.Param(jnp.ones(3))
+
+        with pytest.raises(ValueError, match=r"Parameter `r` is a Param but its name"):
+            ensembles.optim.fast_weight_labels(nnx.state(Clash(), nnx.Param))
+
+
+class TestSummary:
+    def test_counts(self):
+        model = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=4, rngs=nnx.Rngs(1)
+        )
+        info = ensembles.summary(model)
+        kernels = 4 * 8 + 8 * 8 * 3 + 8 * 3
+        biases = 8 + 8 * 3 + 3
+        fast = 4 * ((4 + 8) + 3 * (8 + 8) + (8 + 3))
+        assert info.num_members == 4 and len(info.layers) == 5
+        assert info.shared_params == kernels
+        assert info.fast_params == fast
+        assert info.member_params == 4 * biases
+        assert info.total_params == kernels + fast + 4 * biases
+        assert info.single_params == kernels + biases
+        assert info.deep_ensemble_params == 4 * (kernels + biases)
+        text = str(info)
+        assert "blocks/0" in text and "deep ensemble of 4" in text
+
+    def test_plain_model(self):
+        with pytest.raises(ValueError, match=r"holds no BatchEnsemble layer"):
+            ensembles.summary(MLP(nnx.Rngs(0)))
+
+
+def test_orbax_checkpoint_roundtrip_is_bit_exact(tmp_path):
+    model = ensembles.to_batch_ensemble(
+        MLP(nnx.Rngs(0)), num_members=3, rngs=nnx.Rngs(1)
+    )
+    x = ensembles.tile(random_input(0, (5, 4)), 3)
+    expected = model(x)
+    _, state = nnx.split(model)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+
+    fresh = ensembles.to_batch_ensemble(
+        MLP(nnx.Rngs(5)), num_members=3, rngs=nnx.Rngs(6)
+    )
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: fresh))
+    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    np.testing.assert_array_equal(nnx.merge(graphdef, restored)(x), expected)

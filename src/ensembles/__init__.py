@@ -5,7 +5,7 @@ member ``k`` behaves as if its weight were ``W * outer(r_k, s_k)``, and all memb
 run as one member-major ``[E*B, ...]`` batch.
 """
 
-from ensembles import initializers, ops, optim
+from ensembles import initializers, ops, optim, uncertainty
 from ensembles.convert import extract_member, to_batch_ensemble
 from ensembles.ensemble import Ensemble
 from ensembles.layers import BatchEnsembleLinear
@@ -28,5 +28,6 @@ __all__ = [
     "summary",
     "tile",
     "to_batch_ensemble",
+    "uncertainty",
     "untile",
 ]

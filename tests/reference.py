@@ -9,6 +9,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 
 
@@ -48,3 +49,83 @@ def make_args(
     s = draw((num_members, out_features), 1.0, 0.5)
     bias = draw((num_members, out_features)) if use_bias else None
     return x, kernel, r, s, bias
+
+
+def conv_effective_kernel(
+    kernel, r, s, k, feature_group_count=1, transpose_kernel=False
+):
+    """Member k's conv kernel, index by index in Flax's kernel layout.
+
+    ``[*kernel_size, in/G, out]``: entry ``[..., j, o]`` is scaled by
+    ``r[k, g*in/G + j] * s[k, o]`` with ``g = o // (out/G)``, the group of ``o``.
+    With ``transpose_kernel`` the layout is ``[*kernel_size, out, in]``.
+    """
+    if transpose_kernel:
+        scale = jnp.outer(s[k], r[k])
+    else:
+        in_per_group, out_features = kernel.shape[-2:]
+        out_per_group = out_features // feature_group_count
+        group = np.arange(out_features) // out_per_group
+        index = group[None, :] * in_per_group + np.arange(in_per_group)[:, None]
+        scale = r[k][index] * s[k][None, :]
+    return kernel * scale.reshape((1,) * (kernel.ndim - 2) + scale.shape)
+
+
+def flax_member_outputs(
+    make_flax_layer,
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    num_members,
+    feature_group_count=1,
+    transpose_kernel=False,
+):
+    """Each member's rows through a Flax layer holding its effective weights.
+
+    ``make_flax_layer(kernel, bias)`` builds the original Flax layer (e.g.
+    ``nnx.Conv``) with the given kernel and bias (``None``: no bias). Everything
+    is computed in float32.
+    """
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    inputs, kernel, r, s, bias = map(f32, (inputs, kernel, r, s, bias))
+    batch = inputs.shape[0] // num_members
+    outputs = []
+    for k in range(num_members):
+        weight = conv_effective_kernel(
+            kernel, r, s, k, feature_group_count, transpose_kernel
+        )
+        layer = make_flax_layer(weight, None if bias is None else bias[k])
+        outputs.append(layer(inputs[k * batch : (k + 1) * batch]))
+    return jnp.concatenate(outputs)
+
+
+def general_effective_kernel(kernel, r, s, k, num_batch_axes=0):
+    """Member k's ``nnx.LinearGeneral`` kernel ``[*batch, *in, *out]``.
+
+    ``r[k]`` (shape ``in_features``) scales the input feature axes and ``s[k]``
+    (shape ``out_features``) the output feature axes; both are shared across the
+    leading kernel batch axes.
+    """
+    num_in, num_out = r.ndim - 1, s.ndim - 1
+    r_k = r[k].reshape((1,) * num_batch_axes + r.shape[1:] + (1,) * num_out)
+    s_k = s[k].reshape((1,) * (num_batch_axes + num_in) + s.shape[1:])
+    return kernel * r_k * s_k
+
+
+def flax_rows_reference(template, member_state, inputs, num_members, **call_kwargs):
+    """Each member's rows through the Flax module ``template`` holding its state.
+
+    ``member_state(k)`` returns ``{name: Variable}``, member k's complete state
+    for ``template`` (e.g. ``{"kernel": nnx.Param(...), "bias": ...}``). The
+    modules are built with ``nnx.merge``, so the reference is a pure function of
+    those values and works under ``jax.grad`` and ``jax.jit``.
+    """
+    graphdef, _ = nnx.split(template)
+    batch = inputs.shape[0] // num_members
+    outputs = []
+    for k in range(num_members):
+        module = nnx.merge(graphdef, nnx.State(member_state(k)))
+        outputs.append(module(inputs[k * batch : (k + 1) * batch], **call_kwargs))
+    return jnp.concatenate(outputs)

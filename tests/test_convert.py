@@ -331,3 +331,156 @@ def test_orbax_checkpoint_roundtrip_is_bit_exact(tmp_path):
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: fresh))
     restored = checkpointer.restore(tmp_path / "ckpt", abstract)
     np.testing.assert_array_equal(nnx.merge(graphdef, restored)(x), expected)
+
+
+class CNN(nnx.Module):
+    """Conv + BatchNorm + pooling + Linear head."""
+
+    def __init__(self, rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(8, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.head = nnx.Linear(8, 5, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn1(self.conv1(x)))
+        x = nnx.avg_pool(x, (2, 2), strides=(2, 2))
+        x = nnx.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(axis=(1, 2)))
+
+
+class TransformerBlock(nnx.Module):
+    """Pre-norm block: LayerNorm, MultiHeadAttention, LayerNorm, MLP."""
+
+    def __init__(self, rngs, features=8, heads=2):
+        self.norm1 = nnx.LayerNorm(features, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            heads, features, decode=False, deterministic=True, rngs=rngs
+        )
+        self.norm2 = nnx.LayerNorm(features, rngs=rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(features, 16, rngs=rngs),
+            nnx.gelu,
+            nnx.Linear(16, features, rngs=rngs),
+        )
+
+    def __call__(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+MODELS = {
+    "cnn": (CNN, (4, 8, 8, 3)),
+    "transformer": (TransformerBlock, (4, 5, 8)),
+}
+
+
+def trained_like(model):
+    """Non-trivial norm statistics and biases, as a trained model would have."""
+    rng = np.random.default_rng(42)
+    for _, variable in nnx.to_flat_state(nnx.state(model, nnx.BatchStat)):
+        variable[...] = jnp.asarray(rng.uniform(0.5, 1.5, variable.shape), jnp.float32)
+    return model
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+class TestRealModels:
+    def build(self, name):
+        cls, shape = MODELS[name]
+        return trained_like(cls(nnx.Rngs(0))), random_input(1, shape)
+
+    def test_layer_counts(self, name):
+        model, _ = self.build(name)
+        shared = ensembles.to_batch_ensemble(model, num_members=2, rngs=nnx.Rngs(1))
+        member = ensembles.to_batch_ensemble(
+            model, num_members=2, rngs=nnx.Rngs(1), norms="member"
+        )
+        if name == "cnn":
+            assert count(shared, ensembles.BatchEnsembleConv) == 2
+            assert count(shared, BatchEnsembleLinear) == 1
+            assert count(shared, nnx.BatchNorm) == 2
+            assert count(member, ensembles.EnsembleBatchNorm) == 2
+            assert count(member, nnx.BatchNorm) == 0
+        else:
+            assert count(shared, ensembles.BatchEnsembleLinearGeneral) == 4
+            assert count(shared, BatchEnsembleLinear) == 2
+            assert count(shared, nnx.LayerNorm) == 2
+            assert count(member, ensembles.EnsembleLayerNorm) == 2
+            assert type(shared.attention) is nnx.MultiHeadAttention
+        for converted in (shared, member):
+            assert count(converted, nnx.Linear) + count(converted, nnx.Conv) == 0
+            assert count(converted, nnx.LinearGeneral) == 0
+
+    @pytest.mark.parametrize("norms", ["shared", "member"])
+    def test_ones_reproduce_the_original_and_original_untouched(self, name, norms):
+        model, x = self.build(name)
+        model.eval()
+        before = state_arrays(model)
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=3, rngs=nnx.Rngs(1), norms=norms, **ONES
+        )
+        y = ensembles.untile(ensemble(ensembles.tile(x, 3)), 3)
+        expected = model(x)
+        for k in range(3):
+            assert_close(y[k], expected, scale=10)
+        jax.tree.map(np.testing.assert_array_equal, before, state_arrays(model))
+        with pytest.raises(ValueError, match=r"already holds"):
+            ensembles.to_batch_ensemble(
+                ensemble, num_members=3, rngs=nnx.Rngs(2), norms=norms
+            )
+
+    def test_members_differ_and_extract_equals_view_equals_rows(self, name):
+        model, x = self.build(name)
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=3, rngs=nnx.Rngs(1), norms="member"
+        )
+        ensemble.eval()
+        full = ensembles.untile(ensemble(ensembles.tile(x, 3)), 3)
+        assert not np.allclose(full[0], full[1])
+        for k in range(3):
+            plain = ensembles.extract_member(ensemble, k)
+            assert count(plain, ensembles.layers.EnsembleModule) == 0
+            assert_close(plain(x), full[k], scale=10)
+            assert_close(nnx.view(ensemble, member=k)(x), full[k], scale=10)
+        wrapped = ensembles.Ensemble(ensemble, num_members=3)
+        assert_close(wrapped(x), full, scale=10)
+
+
+def test_member_batch_norm_keeps_statistics_apart():
+    model = CNN(nnx.Rngs(0))
+    ensemble = ensembles.to_batch_ensemble(
+        model, num_members=2, rngs=nnx.Rngs(1), norms="member", **ONES
+    )
+    x0, x1 = random_input(0, (4, 8, 8, 3)), 3.0 + random_input(1, (4, 8, 8, 3))
+    ensemble(jnp.concatenate([x0, x1]))  # a training step: updates statistics
+    mean = np.asarray(ensemble.bn1.mean[...])
+    assert not np.allclose(mean[0], mean[1])
+    # Member k's statistics are exactly those the original BatchNorm would keep
+    # after seeing member k's rows alone.
+    for k, xk in enumerate((x0, x1)):
+        original = nnx.clone(model)
+        original(xk)
+        assert_close(mean[k], original.bn1.mean[...])
+        assert_close(ensemble.bn1.var[...][k], original.bn1.var[...])
+
+
+def test_summary_counts_member_norms():
+    ensemble = ensembles.to_batch_ensemble(
+        TransformerBlock(nnx.Rngs(0)), num_members=4, rngs=nnx.Rngs(1), norms="member"
+    )
+    info = ensembles.summary(ensemble)
+    types = {row[1] for row in info.layers}
+    assert {"EnsembleLayerNorm", "BatchEnsembleLinearGeneral"} <= types
+    norm_rows = [row for row in info.layers if row[1] == "EnsembleLayerNorm"]
+    assert all(row[2] == 0 and row[3] == 0 and row[4] == 4 * 16 for row in norm_rows)
+    single = ensembles.extract_member(ensemble, 0)
+    single_count = sum(
+        int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(single, nnx.Param))
+    )
+    assert info.single_params == single_count
+    assert info.deep_ensemble_params == 4 * single_count
+    assert info.total_params == (
+        info.shared_params + info.fast_params + info.member_params
+    )
+    assert info.total_params < info.deep_ensemble_params

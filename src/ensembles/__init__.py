@@ -8,7 +8,15 @@ run as one member-major ``[E*B, ...]`` batch.
 from ensembles import initializers, ops, optim, uncertainty
 from ensembles.convert import extract_member, to_batch_ensemble
 from ensembles.ensemble import Ensemble
-from ensembles.layers import BatchEnsembleLinear
+from ensembles.layers import (
+    BatchEnsembleConv,
+    BatchEnsembleConvTranspose,
+    BatchEnsembleLinear,
+    BatchEnsembleLinearGeneral,
+    EnsembleBatchNorm,
+    EnsembleLayerNorm,
+    EnsembleRMSNorm,
+)
 from ensembles.members import tile, untile
 from ensembles.summary import EnsembleSummary, summary
 from ensembles.variables import FastWeight
@@ -16,8 +24,14 @@ from ensembles.variables import FastWeight
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "BatchEnsembleConv",
+    "BatchEnsembleConvTranspose",
     "BatchEnsembleLinear",
+    "BatchEnsembleLinearGeneral",
     "Ensemble",
+    "EnsembleBatchNorm",
+    "EnsembleLayerNorm",
+    "EnsembleRMSNorm",
     "EnsembleSummary",
     "FastWeight",
     "__version__",

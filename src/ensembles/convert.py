@@ -16,8 +16,15 @@ from flax.nnx import filterlib
 from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import Ensemble
 from ensembles.initializers import Initializer
-from ensembles.layers.base import BatchEnsembleModule
+from ensembles.layers.base import EnsembleModule
+from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
 from ensembles.layers.linear import BatchEnsembleLinear, default_fast_weight_init
+from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
+from ensembles.layers.normalization import (
+    EnsembleBatchNorm,
+    EnsembleLayerNorm,
+    EnsembleRMSNorm,
+)
 
 __all__ = ["CONVERTERS", "NORM_CONVERTERS", "extract_member", "to_batch_ensemble"]
 
@@ -28,11 +35,18 @@ M = TypeVar("M")
 #: share_kernel=)``. Exact types: a subclass may compute something else.
 CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {
     nnx.Linear: BatchEnsembleLinear.from_linear,
+    nnx.LinearGeneral: BatchEnsembleLinearGeneral.from_linear_general,
+    nnx.Conv: BatchEnsembleConv.from_conv,
+    nnx.ConvTranspose: BatchEnsembleConvTranspose.from_conv_transpose,
 }
 
 #: Flax norm type -> the ``from_*`` classmethod of its per-member norm, used with
 #: ``norms="member"``; called as ``from_x(norm, num_members=)``.
-NORM_CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {}
+NORM_CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {
+    nnx.LayerNorm: EnsembleLayerNorm.from_layer_norm,
+    nnx.RMSNorm: EnsembleRMSNorm.from_rms_norm,
+    nnx.BatchNorm: EnsembleBatchNorm.from_batch_norm,
+}
 
 _NORM_MODES = ("shared", "member")
 
@@ -50,10 +64,11 @@ def to_batch_ensemble(
 ) -> M:
     """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
 
-    Every ``nnx.Linear`` (and every other layer in :data:`CONVERTERS`) selected
-    by ``only`` is replaced by its BatchEnsemble sibling built with ``from_*``:
-    the kernel is kept, the bias is broadcast to every member and each fresh
-    layer draws its own fast weights from ``rngs``. With ``r_init = s_init =
+    Every ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv`` and
+    ``nnx.ConvTranspose`` (the keys of ``CONVERTERS``) selected by ``only`` is
+    replaced by its BatchEnsemble sibling built with ``from_*``: the kernel is
+    kept, the bias is broadcast to every member and each fresh layer draws its
+    own fast weights from ``rngs``. With ``r_init = s_init =
     ones()`` every member computes exactly what ``model`` does. ``model`` itself
     is never changed. Layers that are already BatchEnsemble layers are left
     alone, so converting twice is a no-op.
@@ -84,7 +99,7 @@ def to_batch_ensemble(
       s_init: initializer for every converted layer's ``s``.
       norms: ``"shared"`` keeps norm layers as they are (statistics and scale
         shared by all members); ``"member"`` replaces every norm in
-        :data:`NORM_CONVERTERS` by its per-member sibling.
+        ``NORM_CONVERTERS`` by its per-member sibling.
       share_weights: if True, the new model holds ``model``'s very Variables
         (kernels and every unconverted parameter), so training one trains the
         other; by default it holds copies.
@@ -138,7 +153,7 @@ def to_batch_ensemble(
 
 
 def _is_ensemble_layer(node: Any) -> bool:
-    return isinstance(node, BatchEnsembleModule)
+    return isinstance(node, EnsembleModule)
 
 
 def extract_member(model: M, member: int) -> M:

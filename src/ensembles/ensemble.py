@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from ensembles._checks import check_num_members
-from ensembles.layers.base import BatchEnsembleModule, check_member
+from ensembles.layers.base import EnsembleModule, check_member
 from ensembles.members import tile, untile
 
 __all__ = ["Ensemble"]
@@ -48,7 +48,7 @@ class Ensemble(nnx.Module):
         num_members = check_num_members(num_members)
         for path, node in nnx.iter_graph(model):
             size = getattr(node, "num_members", num_members)
-            if isinstance(node, BatchEnsembleModule) and size != num_members:
+            if isinstance(node, EnsembleModule) and size != num_members:
                 where = "/".join(map(str, path))
                 raise ValueError(
                     f"`num_members` (={num_members}) must match the model's "

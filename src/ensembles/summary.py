@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ensembles.layers.base import BatchEnsembleModule
+from ensembles.layers.base import EnsembleModule
 from ensembles.variables import FastWeight
 
 __all__ = ["EnsembleSummary", "summary"]
@@ -105,7 +105,7 @@ def summary(model: Any) -> EnsembleSummary:
     layers = []
     sizes = set()
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, BatchEnsembleModule):
+        if isinstance(node, EnsembleModule):
             sizes.add(node.num_members)
             # A layer's kernel is shared by its members, r and s are fast, and
             # everything else (biases, norm scales) has one copy per member.

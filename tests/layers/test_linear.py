@@ -430,7 +430,7 @@ class TestErrors:
         with pytest.raises(
             ValueError,
             match=r"`impl` must be one of \['auto', "
-            r"'xla'\], got 'pallas_gpu'",
+            r"'xla', 'pallas'\], got 'pallas_gpu'",
         ):
             make_layer(impl="pallas_gpu")
 
@@ -490,3 +490,26 @@ class TestExtractMember:
         jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
         with pytest.raises(ValueError, match=r"`member` must be in \[0, num_members\)"):
             layer.extract_member(3)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: make_layer(2, 3, 4),
+        lambda: ensembles.BatchEnsembleLinearGeneral(
+            3, (2, 2), num_members=2, rngs=nnx.Rngs(0)
+        ),
+    ],
+)
+def test_out_sharding_places_outputs_like_flax(make):
+    from jax.sharding import AxisType, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,))
+    x = random_input(0, (4, 3))
+    with jax.set_mesh(mesh):
+        layer = make()
+        expected = layer(x)
+        spec = PartitionSpec("data", *([None] * (expected.ndim - 1)))
+        y = layer(x, out_sharding=spec)
+        assert jax.typeof(y).sharding.spec == spec
+    np.testing.assert_array_equal(y, expected)

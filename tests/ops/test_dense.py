@@ -93,7 +93,7 @@ def test_precision_is_passed_to_the_matmul(precision, text):
 
 
 def test_auto_resolves_to_xla_on_cpu():
-    assert IMPLS == ("auto", "xla")
+    assert IMPLS == ("auto", "xla", "pallas")
     assert resolve_impl("auto") == "xla"
     args = make_args(0, 2, 2, (), 4, 3, jnp.float32)
     np.testing.assert_array_equal(

@@ -1,6 +1,23 @@
 """BatchEnsemble ``nnx`` layers: parameters plus a call into ``ensembles.ops``."""
 
-from ensembles.layers.base import BatchEnsembleModule
+from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
+from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
 from ensembles.layers.linear import BatchEnsembleLinear
+from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
+from ensembles.layers.normalization import (
+    EnsembleBatchNorm,
+    EnsembleLayerNorm,
+    EnsembleRMSNorm,
+)
 
-__all__ = ["BatchEnsembleLinear", "BatchEnsembleModule"]
+__all__ = [
+    "BatchEnsembleConv",
+    "BatchEnsembleConvTranspose",
+    "BatchEnsembleLinear",
+    "BatchEnsembleLinearGeneral",
+    "BatchEnsembleModule",
+    "EnsembleBatchNorm",
+    "EnsembleLayerNorm",
+    "EnsembleModule",
+    "EnsembleRMSNorm",
+]

@@ -13,8 +13,10 @@ from ensembles._checks import check_choice
 
 __all__ = [
     "BatchEnsembleModule",
+    "EnsembleModule",
     "check_member",
     "member_axis_metadata",
+    "shard_output",
     "without_member_axis_metadata",
 ]
 
@@ -73,6 +75,18 @@ def plain_layer(factory: Callable[[], nnx.Module], **params: nnx.Variable):
     return layer
 
 
+def shard_output(outputs: jax.Array, out_sharding: Any) -> jax.Array:
+    """Places a layer's outputs as ``out_sharding`` asks, as Flax's layers do.
+
+    Flax passes ``out_sharding`` to its ``dot_general``; our ops reshape around
+    theirs, so the layer reshards the final outputs instead (a no-op for
+    ``None``, the default everywhere).
+    """
+    if out_sharding is None:
+        return outputs
+    return jax.sharding.reshard(outputs, out_sharding)
+
+
 def init_param(
     variable_type: type[nnx.Variable],
     initializer: Callable[..., jax.Array],
@@ -93,40 +107,40 @@ def init_param(
     return variable_type(value, **metadata)
 
 
-class BatchEnsembleModule(nnx.Module):
-    """Base of the BatchEnsemble layers: the ``member`` and ``impl`` views.
+class EnsembleModule(nnx.Module):
+    """Base of every module with per-member state: the ``member`` view.
 
-    Subclasses set ``num_members``, ``member`` (``None``: all members on an
-    ``[E*B, ...]`` batch), ``impl`` and the tuple ``_impls`` their op accepts.
+    Subclasses set ``num_members`` and ``member`` (``None``: all members on a
+    member-major ``[E*B, ...]`` batch; ``k``: member ``k`` alone on an un-tiled
+    ``[B, ...]`` batch), read their ``[E, ...]`` arrays through
+    ``_members``, and implement :meth:`extract_member`.
+
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleLinear(3, 2, num_members=4,
+    ...                                       rngs=nnx.Rngs(0))
+    >>> isinstance(layer, ensembles.layers.EnsembleModule)
+    True
+    >>> nnx.view(layer, member=3).member
+    3
     """
 
     num_members: int
     member: int | None
-    impl: str
-    _impls: tuple[str, ...]
 
-    def set_view(self, member: int | None = None, impl: str | None = None):
+    def set_view(self, member: int | None = None):
         """Class method used by ``nnx.view``.
 
         Args:
-          member: if an int ``k``, the layer runs member ``k`` alone on an
-            un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
-            effective weights would. ``None`` leaves the view unchanged.
-          impl: the op implementation, e.g. ``"xla"`` or ``"auto"``. ``None``
-            leaves it unchanged.
+          member: if an int ``k``, the module runs member ``k`` alone on an
+            un-tiled ``[B, ...]`` batch, as the plain Flax module with member
+            ``k``'s parameters would. ``None`` leaves the view unchanged.
         """
-        # Check everything before setting anything: a failed view mutates nothing.
         if member is not None:
-            member = check_member(member, self.num_members)
-        if impl is not None:
-            impl = check_choice(impl, "impl", self._impls)
-        if member is not None:
-            self.member = member
-        if impl is not None:
-            self.impl = impl
+            self.member = check_member(member, self.num_members)
 
     def extract_member(self, member: int) -> nnx.Module:
-        """Returns member ``member`` as the plain Flax layer it behaves as.
+        """Returns member ``member`` as the plain Flax module it behaves as.
 
         Subclasses implement it; the result maps an un-tiled ``[B, ...]`` batch
         exactly as ``nnx.view(self, member=member)`` does.
@@ -144,3 +158,38 @@ class BatchEnsembleModule(nnx.Module):
             return self.num_members, list(arrays)
         k = self.member
         return 1, [None if a is None else a[k : k + 1] for a in arrays]
+
+
+class BatchEnsembleModule(EnsembleModule):
+    """Base of the BatchEnsemble weight layers: ``member`` and ``impl`` views.
+
+    Subclasses also set ``impl`` and the tuple ``_impls`` their op accepts.
+
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleLinear(3, 2, num_members=4,
+    ...                                       rngs=nnx.Rngs(0))
+    >>> view = nnx.view(layer, member=1, impl="xla")
+    >>> view.member, view.impl, layer.member
+    (1, 'xla', None)
+    """
+
+    impl: str
+    _impls: tuple[str, ...]
+
+    def set_view(self, member: int | None = None, impl: str | None = None):
+        """Class method used by ``nnx.view``.
+
+        Args:
+          member: if an int ``k``, the layer runs member ``k`` alone on an
+            un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
+            effective weights would. ``None`` leaves the view unchanged.
+          impl: the op implementation, e.g. ``"xla"`` or ``"auto"``. ``None``
+            leaves it unchanged.
+        """
+        # Check everything before setting anything: a failed view mutates nothing.
+        if impl is not None:
+            impl = check_choice(impl, "impl", self._impls)
+        super().set_view(member=member)
+        if impl is not None:
+            self.impl = impl

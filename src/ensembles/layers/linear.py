@@ -21,6 +21,7 @@ from ensembles.layers.base import (
     init_param,
     member_axis_metadata,
     plain_layer,
+    shard_output,
     without_member_axis_metadata,
 )
 from ensembles.ops import dense
@@ -83,8 +84,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         common dtype, called with a ``dtype`` keyword (default: Flax's).
       preferred_element_type: accumulation/output dtype of the matmul, see
         ``jax.lax.dot_general``.
-      impl: the op implementation, ``"auto"`` or ``"xla"``; see
-        :func:`ensembles.ops.batch_ensemble_dense`.
+      impl: the op implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (the
+        fused GPU/TPU kernel); see :func:`ensembles.ops.batch_ensemble_dense`.
       rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``.
       kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
       bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
@@ -313,13 +314,16 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             **params,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
         Args:
           inputs: ``[E*B, ..., in_features]`` member-major inputs; in a member
             view (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...,
             in_features]`` batch.
+
+          out_sharding: where to place the outputs (a ``PartitionSpec`` or
+            ``NamedSharding``), as for ``nnx.Linear``; ``None`` leaves it to XLA.
 
         Returns:
           The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
@@ -330,7 +334,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, kernel, r, s, bias), dtype=self.dtype
         )
-        return dense.batch_ensemble_dense(
+        outputs = dense.batch_ensemble_dense(
             inputs,
             kernel,
             r,
@@ -341,3 +345,4 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             preferred_element_type=self.preferred_element_type,
             impl=self.impl,
         )
+        return shard_output(outputs, out_sharding)

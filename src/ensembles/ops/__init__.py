@@ -1,5 +1,25 @@
 """Functional BatchEnsemble kernels; they know nothing of ``nnx``."""
 
+from ensembles.ops.conv import batch_ensemble_conv, batch_ensemble_conv_transpose
 from ensembles.ops.dense import IMPLS, batch_ensemble_dense
+from ensembles.ops.dense_general import batch_ensemble_dense_general
+from ensembles.ops.normalization import (
+    ensemble_batch_norm,
+    ensemble_batch_statistics,
+    ensemble_layer_norm,
+    ensemble_rms_norm,
+)
+from ensembles.ops.pallas_dense import BlockSizes
 
-__all__ = ["IMPLS", "batch_ensemble_dense"]
+__all__ = [
+    "IMPLS",
+    "BlockSizes",
+    "batch_ensemble_conv",
+    "batch_ensemble_conv_transpose",
+    "batch_ensemble_dense",
+    "batch_ensemble_dense_general",
+    "ensemble_batch_norm",
+    "ensemble_batch_statistics",
+    "ensemble_layer_norm",
+    "ensemble_rms_norm",
+]

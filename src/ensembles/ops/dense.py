@@ -9,21 +9,27 @@ ever forming per-member kernels::
 The ``"xla"`` implementation below is that formula in ``jnp`` with one 2-D
 matmul (see ``shared/notes/pallas.md``: the 2-D form is what XLA's CPU backend
 compiles best, forward and backward). It is also the reference the tests compare
-every other implementation against.
+every other implementation against. The ``"pallas"`` implementation is the fused
+GPU/TPU kernel of :mod:`ensembles.ops.pallas_dense`.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from ensembles._checks import check_choice, check_member_batch, check_num_members
+from ensembles.ops import pallas_dense
 
 __all__ = ["IMPLS", "batch_ensemble_dense", "check_impl", "resolve_impl"]
 
 #: The implementations ``batch_ensemble_dense`` accepts as ``impl``.
-IMPLS: tuple[str, ...] = ("auto", "xla")
+IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
 
 
 def check_impl(impl: str) -> str:
@@ -44,23 +50,56 @@ def check_impl(impl: str) -> str:
     return check_choice(impl, "impl", IMPLS)
 
 
-def resolve_impl(impl: str) -> str:
-    """Resolves ``"auto"`` to the concrete implementation used on this backend.
+def resolve_impl(
+    impl: str,
+    *,
+    backend: str | None = None,
+    shape: tuple[int, int, int] | None = None,
+    dtype: jnp.dtype | None = None,
+) -> str:
+    """Resolves ``"auto"`` to the concrete implementation used on a backend.
 
-    ``"auto"`` is ``"xla"`` everywhere for now: the fused Pallas kernel for
-    GPU/TPU is not part of the package yet.
+    ``"auto"`` is ``"xla"`` on CPU (where Pallas only interprets) and
+    ``"pallas"`` on GPU and TPU when the problem suits the fused kernel (see
+    :func:`ensembles.ops.pallas_dense.suits_kernel`), else ``"xla"``. The choice
+    is made when tracing, from ``jax.default_backend()``; to lower ahead of time
+    for another platform, name ``impl="pallas"`` explicitly.
 
     Args:
       impl: one of :data:`IMPLS`.
+      backend: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default:
+        ``jax.default_backend()``).
+      shape: ``(rows_per_member, in_features, out_features)`` of the problem;
+        ``"auto"`` picks ``"pallas"`` only when it and ``dtype`` are given.
+      dtype: the operands' dtype.
 
     Returns:
       The concrete implementation name.
 
-    >>> resolve_impl("auto")
+    >>> import jax.numpy as jnp
+    >>> resolve_impl("auto")                          # on this CPU
     'xla'
+    >>> resolve_impl("auto", backend="gpu", shape=(256, 1024, 1024),
+    ...              dtype=jnp.bfloat16)
+    'pallas'
+    >>> resolve_impl("auto", backend="tpu", shape=(256, 1000, 1024),
+    ...              dtype=jnp.bfloat16)               # 1000 is not lane-aligned
+    'xla'
+    >>> resolve_impl("pallas")
+    'pallas'
     """
     check_impl(impl)
-    return "xla" if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend() if backend is None else backend
+    if (
+        backend in ("gpu", "tpu")
+        and shape is not None
+        and dtype is not None
+        and pallas_dense.suits_kernel(*shape, dtype)
+    ):
+        return "pallas"
+    return "xla"
 
 
 def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
@@ -117,7 +156,66 @@ def _dense_xla(inputs, kernel, r, s, bias, *, precision, preferred_element_type)
     return y.reshape(*inputs.shape[:-1], out_features)
 
 
-_IMPLEMENTATIONS = {"xla": _dense_xla}
+def _dense_pallas(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    precision,
+    preferred_element_type,
+    interpret,
+    block_sizes,
+):
+    return pallas_dense.fused_dense(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        interpret=interpret,
+        block_sizes=block_sizes,
+    )
+
+
+_IMPLEMENTATIONS = {"xla": _dense_xla, "pallas": _dense_pallas}
+
+
+def _kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type):
+    """The operands' dtype if the Pallas kernel accepts this combination."""
+    try:
+        return pallas_dense.check_dtypes(
+            inputs, kernel, r, s, bias, preferred_element_type
+        )
+    except TypeError:
+        return None  # "auto" then keeps the jnp formulation
+
+
+def _check_pallas_options(impl: str, interpret: Any, block_sizes: Any) -> str:
+    """Checks ``interpret`` and ``block_sizes``; ``interpret`` implies Pallas."""
+    if not isinstance(interpret, bool | pltpu.InterpretParams):
+        raise TypeError(
+            f"`interpret` must be a bool or a "
+            f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} of "
+            f"type {type(interpret).__name__}."
+        )
+    if block_sizes is not None and not isinstance(block_sizes, pallas_dense.BlockSizes):
+        raise TypeError(
+            f"`block_sizes` must be an `ensembles.ops.BlockSizes` or None, got "
+            f"{block_sizes!r} of type {type(block_sizes).__name__}."
+        )
+    uses_pallas = interpret is not False or block_sizes is not None
+    if impl == "xla" and uses_pallas:
+        name = "interpret" if interpret is not False else "block_sizes"
+        raise ValueError(
+            f'`{name}` configures the Pallas kernel, but impl="xla" was asked for. '
+            f'Use impl="pallas" (or "auto"), or drop `{name}`.'
+        )
+    # Interpreting only makes sense for the kernel: it selects it under "auto".
+    return "pallas" if impl == "auto" and interpret is not False else impl
 
 
 def batch_ensemble_dense(
@@ -131,6 +229,8 @@ def batch_ensemble_dense(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     impl: str = "auto",
+    interpret: bool | pltpu.InterpretParams = False,
+    block_sizes: pallas_dense.BlockSizes | None = None,
 ) -> jax.Array:
     """Applies a BatchEnsemble dense layer to a member-major batch.
 
@@ -141,6 +241,12 @@ def batch_ensemble_dense(
 
     The op computes in the dtypes it is given (the layers promote their
     parameters and inputs first, as Flax does).
+
+    ``impl="pallas"`` runs the fused kernel (:mod:`ensembles.ops.pallas_dense`):
+    Triton on GPU, Mosaic on TPU, chosen when lowering; it applies ``* r`` as
+    it loads input tiles and ``* s + bias`` before it stores output tiles, and
+    has fused backward kernels. On CPU it can only run in Pallas' interpreter
+    (slow; for tests and debugging).
 
     >>> import jax.numpy as jnp
     >>> from ensembles.ops import batch_ensemble_dense
@@ -153,6 +259,10 @@ def batch_ensemble_dense(
     (6, 5)
     >>> y[:, 0]
     Array([4., 4., 4., 8., 8., 8.], dtype=float32)
+    >>> y_pallas = batch_ensemble_dense(x, kernel, r, s, num_members=2,
+    ...                                 impl="pallas", interpret=True)
+    >>> bool(jnp.allclose(y_pallas, y))
+    True
 
     Args:
       inputs: ``[E*B, ..., in_features]`` member-major batch; any number of middle
@@ -165,22 +275,42 @@ def batch_ensemble_dense(
       precision: matmul precision, as for ``jax.lax.dot_general``.
       preferred_element_type: accumulation/output dtype of the matmul, as for
         ``jax.lax.dot_general``.
-      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (resolves to the
-        best implementation for the backend; ``"xla"`` for now).
+      impl: ``"xla"`` (the ``jnp`` formulation), ``"pallas"`` (the fused
+        Pallas kernel) or ``"auto"``: ``"xla"`` on CPU, ``"pallas"`` on GPU/TPU
+        when the shape and dtype suit the kernel (see :func:`resolve_impl`).
+      interpret: Pallas only. ``True`` runs the kernel in Pallas' interpreter
+        on any backend (and selects ``"pallas"`` under ``"auto"``); a
+        ``jax.experimental.pallas.tpu.InterpretParams`` runs the TPU kernel in
+        Pallas' TPU simulator.
+      block_sizes: Pallas only: the kernel's tiles,
+        :class:`ensembles.ops.BlockSizes` (default: ``BlockSizes()``).
 
     Returns:
       The ``[E*B, ..., out_features]`` outputs.
 
     Raises:
-      ValueError: if a shape, ``num_members`` or ``impl`` is invalid; the message
+      ValueError: if a shape, ``num_members`` or ``impl`` is invalid, or if
+        ``interpret``/``block_sizes`` are given with ``impl="xla"``; the message
         names the argument and the fix.
-      TypeError: if ``num_members`` is not an int.
+      TypeError: if ``num_members`` is not an int, if ``interpret`` or
+        ``block_sizes`` has the wrong type, or if ``impl="pallas"`` gets dtypes
+        the kernel does not support.
     """
     num_members = check_num_members(num_members)
-    impl = resolve_impl(impl)
+    impl = _check_pallas_options(check_impl(impl), interpret, block_sizes)
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
     _check_dense_shapes(inputs, kernel, r, s, bias, num_members)
+    rows_per_member = math.prod(inputs.shape[:-1]) // num_members
+    impl = resolve_impl(
+        impl,
+        shape=(rows_per_member, *kernel.shape),
+        dtype=_kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type),
+    )
+    options = {}
+    if impl == "pallas":
+        options = {"interpret": interpret, "block_sizes": block_sizes}
+        pallas_dense.check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
     return _IMPLEMENTATIONS[impl](
         inputs,
         kernel,
@@ -189,4 +319,5 @@ def batch_ensemble_dense(
         bias,
         precision=precision,
         preferred_element_type=preferred_element_type,
+        **options,
     )

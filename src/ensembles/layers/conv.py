@@ -1,0 +1,793 @@
+"""BatchEnsemble convolution layers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
+from jax import lax
+
+from ensembles import initializers as fast_initializers
+from ensembles._checks import check_num_members, check_positive_int
+from ensembles.layers.base import (
+    BatchEnsembleModule,
+    check_member,
+    init_param,
+    member_axis_metadata,
+    plain_layer,
+    shard_output,
+    without_member_axis_metadata,
+)
+from ensembles.ops import conv
+from ensembles.variables import FastWeight
+
+__all__ = ["BatchEnsembleConv", "BatchEnsembleConvTranspose"]
+
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
+default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
+
+
+def _kernel_size(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(kernel_size, int):
+        kernel_size = (kernel_size,)
+    kernel_size = tuple(check_positive_int(k, "kernel_size") for k in kernel_size)
+    if not 1 <= len(kernel_size) <= 3:
+        raise ValueError(
+            f"`kernel_size` must have 1, 2 or 3 entries (1-D, 2-D or 3-D "
+            f"convolution), got {kernel_size}."
+        )
+    return kernel_size
+
+
+def _check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
+    if mask is not None and tuple(mask.shape) != kernel_shape:
+        raise ValueError(
+            f"`mask` must have the kernel's shape {kernel_shape}, got "
+            f"{tuple(mask.shape)}."
+        )
+
+
+class _ConvBase(BatchEnsembleModule):
+    """Parameters shared by the convolution layers: kernel, r, s and bias."""
+
+    _impls = conv.IMPLS
+
+    def _init_params(
+        self,
+        kernel_shape,
+        num_members,
+        in_features,
+        out_features,
+        use_bias,
+        param_dtype,
+        kernel_init,
+        bias_init,
+        r_init,
+        s_init,
+        rngs,
+        kernel_metadata,
+        bias_metadata,
+        fast_weight_metadata,
+    ):
+        self.kernel_shape = kernel_shape
+        self.kernel = init_param(
+            nnx.Param,
+            kernel_init,
+            rngs.params(),
+            kernel_shape,
+            param_dtype,
+            kernel_metadata,
+            "kernel_init",
+        )
+        self.r = init_param(
+            FastWeight,
+            r_init,
+            rngs.params(),
+            (num_members, in_features),
+            param_dtype,
+            fast_weight_metadata,
+            "r_init",
+        )
+        self.s = init_param(
+            FastWeight,
+            s_init,
+            rngs.params(),
+            (num_members, out_features),
+            param_dtype,
+            fast_weight_metadata,
+            "s_init",
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = init_param(
+                nnx.Param,
+                bias_init,
+                rngs.params(),
+                (num_members, out_features),
+                param_dtype,
+                bias_metadata,
+                "bias_init",
+            )
+        else:
+            self.bias = nnx.data(None)
+
+    def _operands(self, inputs):
+        """Member slices and promoted ``(inputs, kernel, r, s, bias)``."""
+        kernel = self.kernel[...]
+        if self.mask is not None:
+            # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
+            kernel = kernel * self.mask
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
+        return num_members, self.promote_dtype(
+            (inputs, kernel, r, s, bias), dtype=self.dtype
+        )
+
+    def _member_params(self, member: int, **kernel_options) -> dict[str, Any]:
+        k = check_member(member, self.num_members)
+        kernel = conv.effective_kernel(
+            self.kernel[...], self.r[k], self.s[k], **kernel_options
+        )
+        params: dict[str, Any] = {
+            "kernel": nnx.Param(kernel, **self.kernel.get_metadata())
+        }
+        if self.bias is not None:
+            metadata = without_member_axis_metadata(self.bias.get_metadata())
+            params["bias"] = nnx.Param(self.bias[k], **metadata)
+        # eval_shape leaves the plain layer's mask abstract: set the real one.
+        params["mask"] = self.mask
+        return params
+
+
+def _bias_init_from(layer) -> tuple[Initializer, dict[str, Any]]:
+    if layer.bias is None:
+        return default_bias_init, {}
+    bias = layer.bias[...]
+    return (
+        lambda key, shape, dtype: jnp.broadcast_to(bias, shape),
+        member_axis_metadata(layer.bias.get_metadata()),
+    )
+
+
+class BatchEnsembleConv(_ConvBase):
+    """A BatchEnsemble convolution: ``nnx.Conv`` with per-member fast weights.
+
+    Member ``k`` convolves its rows ``[k*B, (k+1)*B)`` of a member-major,
+    channels-last ``[E*B, *spatial, in_features]`` batch as an ``nnx.Conv``
+    with kernel ``kernel * (r[k] (x) s[k])`` (``r`` over the input channels of
+    each feature group, ``s`` over the output channels; see
+    :func:`ensembles.ops.conv.effective_kernel`) and bias ``bias[k]`` would. All
+    members run as one batch through :func:`ensembles.ops.batch_ensemble_conv`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleConv(3, 8, (3, 3), 2, num_members=4,
+    ...                                     rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer))
+    State({
+      'bias': Param(
+        value=(4, 8)
+      ),
+      'kernel': Param(
+        value=(3, 3, 3, 8)
+      ),
+      'r': FastWeight(
+        value=(4, 3)
+      ),
+      's': FastWeight(
+        value=(4, 8)
+      )
+    })
+    >>> x = jnp.ones((5, 16, 16, 3))                  # an un-tiled batch, B=5
+    >>> layer(ensembles.tile(x, 4)).shape             # [E*B, H/2, W/2, out]
+    (20, 8, 8, 8)
+    >>> nnx.view(layer, member=1)(x).shape            # member 1 alone
+    (5, 8, 8, 8)
+
+    Args:
+      in_features: the number of input channels.
+      out_features: the number of output channels.
+      kernel_size: the spatial shape of the kernel (an int for 1-D).
+      strides: an int or one int per spatial dimension (default: 1).
+      num_members: the ensemble size E (keyword-only, required).
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
+        ``'CAUSAL'`` (1-D only), an int, or one int or ``(low, high)`` pair per
+        spatial dimension, as for ``nnx.Conv``.
+      input_dilation: an int or one int per spatial dimension (default: 1).
+      kernel_dilation: an int or one int per spatial dimension (default: 1).
+      feature_group_count: the number of feature groups; it must divide
+        ``in_features`` and ``out_features`` (default: 1).
+      use_bias: whether to add a per-member bias (default: True).
+      mask: an optional array of the kernel's shape multiplied into the kernel
+        (masked convolution).
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the convolution, see
+        ``jax.lax.Precision``.
+      kernel_init: initializer for the shared ``[*kernel_size, in/groups, out]``
+        kernel (default: ``nnx.Conv``'s, LeCun normal).
+      bias_init: initializer for the ``[E, out]`` bias (default: zeros).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.5)).
+      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
+        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      preferred_element_type: accumulation/output dtype of the convolution.
+      impl: the op implementation, ``"auto"`` or ``"xla"``; see
+        :func:`ensembles.ops.batch_ensemble_conv`.
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
+      bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
+      fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
+
+    ``nnx.Conv``'s ``conv_general_dilated`` argument has no counterpart: the
+    layer always computes with ``jax.lax.conv_general_dilated``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | Sequence[int],
+        strides: int | Sequence[int] | None = 1,
+        *,
+        num_members: int,
+        padding: PaddingLike = "SAME",
+        input_dilation: int | Sequence[int] | None = 1,
+        kernel_dilation: int | Sequence[int] | None = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        mask: jax.Array | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        fast_weight_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        in_features = check_positive_int(in_features, "in_features")
+        out_features = check_positive_int(out_features, "out_features")
+        kernel_size = _kernel_size(kernel_size)
+        groups = check_positive_int(feature_group_count, "feature_group_count")
+        if in_features % groups or out_features % groups:
+            raise ValueError(
+                f"`feature_group_count` (={groups}) must divide both "
+                f"`in_features` (={in_features}) and `out_features` "
+                f"(={out_features})."
+            )
+        num_members = check_num_members(num_members)
+        impl = conv.check_impl(impl)
+        kernel_shape = (*kernel_size, in_features // groups, out_features)
+        _check_mask(mask, kernel_shape)
+
+        self._init_params(
+            kernel_shape,
+            num_members,
+            in_features,
+            out_features,
+            use_bias,
+            param_dtype,
+            kernel_init,
+            bias_init,
+            r_init,
+            s_init,
+            rngs,
+            kernel_metadata,
+            bias_metadata,
+            fast_weight_metadata,
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.padding = padding
+        self.input_dilation = input_dilation
+        self.kernel_dilation = kernel_dilation
+        self.feature_group_count = groups
+        self.use_bias = use_bias
+        self.mask = mask
+        self.num_members = num_members
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.impl = impl
+        self.member: int | None = None
+
+    @classmethod
+    def from_conv(
+        cls,
+        layer: nnx.Conv,
+        *,
+        num_members: int,
+        rngs: nnx.Rngs,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        share_kernel: bool = False,
+        impl: str = "auto",
+    ) -> BatchEnsembleConv:
+        """Builds a BatchEnsemble layer around a pretrained ``nnx.Conv``.
+
+        The kernel is kept (a new ``Param`` holding the same values; the very
+        same ``Param`` with ``share_kernel=True``), the bias is broadcast to
+        every member and every option (padding, dilations, groups, mask, ...) is
+        copied. With ``r_init = s_init = ones()`` every member computes exactly
+        what ``layer`` does. ``layer`` itself is never changed.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> pretrained = nnx.Conv(3, 4, (3, 3), padding="CIRCULAR",
+        ...                       rngs=nnx.Rngs(0))
+        >>> layer = ensembles.BatchEnsembleConv.from_conv(
+        ...     pretrained, num_members=2, rngs=nnx.Rngs(1),
+        ...     r_init=ensembles.initializers.ones(),
+        ...     s_init=ensembles.initializers.ones())
+        >>> x = jnp.ones((5, 8, 8, 3))
+        >>> bool(jnp.allclose(layer(ensembles.tile(x, 2))[5:], pretrained(x)))
+        True
+
+        Args:
+          layer: the pretrained ``nnx.Conv``.
+          num_members: the ensemble size E.
+          rngs: rng keys for the fast weights.
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
+          share_kernel: if True, the new layer holds ``layer``'s kernel
+            ``Param`` itself, so updates to one are seen by the other.
+          impl: the op implementation.
+
+        Returns:
+          The new ``BatchEnsembleConv``.
+
+        Raises:
+          TypeError: if ``layer`` is not an ``nnx.Conv``.
+          ValueError: if ``layer`` uses a custom ``conv_general_dilated``,
+            which the BatchEnsemble op cannot honour.
+        """
+        if not isinstance(layer, nnx.Conv):
+            raise TypeError(
+                f"`layer` must be an `nnx.Conv`, got {type(layer).__name__}."
+            )
+        if layer.conv_general_dilated is not lax.conv_general_dilated:
+            raise ValueError(
+                f"`layer.conv_general_dilated` is a custom function "
+                f"({layer.conv_general_dilated!r}); BatchEnsembleConv computes "
+                f"with `jax.lax.conv_general_dilated` and would silently change "
+                f"the layer. Convert a layer built with the default "
+                f"`conv_general_dilated`."
+            )
+        kernel = layer.kernel[...]
+        bias_init, bias_metadata = _bias_init_from(layer)
+        new = cls(
+            layer.in_features,
+            layer.out_features,
+            layer.kernel_size,
+            layer.strides,
+            num_members=num_members,
+            padding=layer.padding,
+            input_dilation=layer.input_dilation,
+            kernel_dilation=layer.kernel_dilation,
+            feature_group_count=layer.feature_group_count,
+            use_bias=layer.bias is not None,
+            mask=layer.mask,
+            dtype=layer.dtype,
+            param_dtype=layer.param_dtype,
+            precision=layer.precision,
+            kernel_init=lambda key, shape, dtype: kernel,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            promote_dtype=layer.promote_dtype,
+            preferred_element_type=layer.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=layer.kernel.get_metadata(),
+            bias_metadata=bias_metadata,
+        )
+        if share_kernel:
+            new.kernel = layer.kernel
+        return new
+
+    def extract_member(self, member: int) -> nnx.Conv:
+        """Returns member ``member`` as a plain ``nnx.Conv``.
+
+        Its kernel is member ``member``'s effective kernel (see
+        :func:`ensembles.ops.conv.effective_kernel`) and its bias
+        ``bias[member]``; every option is copied. It maps an un-tiled batch as
+        ``nnx.view(self, member=member)`` does, up to rounding.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> layer = ensembles.BatchEnsembleConv(4, 6, (3, 3), num_members=2,
+        ...                                     feature_group_count=2,
+        ...                                     rngs=nnx.Rngs(0))
+        >>> plain = layer.extract_member(1)
+        >>> type(plain).__name__, plain.kernel.shape, plain.bias.shape
+        ('Conv', (3, 3, 2, 6), (6,))
+        >>> x = jnp.ones((5, 8, 8, 4))
+        >>> bool(jnp.allclose(plain(x), nnx.view(layer, member=1)(x), atol=1e-5))
+        True
+
+        Args:
+          member: the member index k, ``0 <= k < num_members``.
+
+        Returns:
+          A new ``nnx.Conv``; this layer is not changed.
+        """
+        params = self._member_params(
+            member, feature_group_count=self.feature_group_count
+        )
+        return plain_layer(
+            lambda: nnx.Conv(
+                self.in_features,
+                self.out_features,
+                self.kernel_size,
+                self.strides,
+                padding=self.padding,
+                input_dilation=self.input_dilation,
+                kernel_dilation=self.kernel_dilation,
+                feature_group_count=self.feature_group_count,
+                use_bias=self.use_bias,
+                mask=self.mask,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=nnx.Rngs(0),
+            ),
+            **params,
+        )
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """Applies every member (or the viewed member) to its rows of ``inputs``.
+
+        Args:
+          inputs: ``[E*B, ..., *spatial, in_features]`` member-major inputs
+            (channels last); in a member view (``nnx.view(layer, member=k)``)
+            an un-tiled ``[B, ..., *spatial, in_features]`` batch.
+          out_sharding: where to place the outputs (a ``PartitionSpec`` or
+            ``NamedSharding``), as for ``nnx.Conv``; ``None`` leaves it to XLA.
+
+        Returns:
+          The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
+          outputs.
+        """
+        num_members, (inputs, kernel, r, s, bias) = self._operands(inputs)
+        outputs = conv.batch_ensemble_conv(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
+        )
+        return shard_output(outputs, out_sharding)
+
+
+class BatchEnsembleConvTranspose(_ConvBase):
+    """A BatchEnsemble transposed convolution: ``nnx.ConvTranspose`` per member.
+
+    Member ``k`` maps its rows ``[k*B, (k+1)*B)`` of a member-major,
+    channels-last ``[E*B, *spatial, in_features]`` batch as an
+    ``nnx.ConvTranspose`` with kernel ``kernel * (r[k] (x) s[k])`` over the
+    channel axes (``r`` over input, ``s`` over output channels) and bias
+    ``bias[k]`` would. All members run as one batch through
+    :func:`ensembles.ops.batch_ensemble_conv_transpose`.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleConvTranspose(3, 8, (3, 3), 2,
+    ...                                              num_members=4,
+    ...                                              rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer))
+    State({
+      'bias': Param(
+        value=(4, 8)
+      ),
+      'kernel': Param(
+        value=(3, 3, 3, 8)
+      ),
+      'r': FastWeight(
+        value=(4, 3)
+      ),
+      's': FastWeight(
+        value=(4, 8)
+      )
+    })
+    >>> x = jnp.ones((5, 8, 8, 3))                    # an un-tiled batch, B=5
+    >>> layer(ensembles.tile(x, 4)).shape             # [E*B, 2H, 2W, out]
+    (20, 16, 16, 8)
+    >>> nnx.view(layer, member=1)(x).shape            # member 1 alone
+    (5, 16, 16, 8)
+
+    Args:
+      in_features: the number of input channels.
+      out_features: the number of output channels.
+      kernel_size: the spatial shape of the kernel (an int for 1-D).
+      strides: an int or one int per spatial dimension (default: 1).
+      num_members: the ensemble size E (keyword-only, required).
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, an int, or one int or
+        ``(low, high)`` pair per spatial dimension, as for
+        ``nnx.ConvTranspose``. (``'CAUSAL'`` and ``'REFLECT'`` raise a
+        ``ValueError``: ``nnx.ConvTranspose`` does not implement them either.)
+      kernel_dilation: an int or one int per spatial dimension (default: 1).
+      use_bias: whether to add a per-member bias (default: True).
+      mask: an optional array of the kernel's shape multiplied into the kernel.
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the convolution.
+      kernel_init: initializer for the shared ``[*kernel_size, in, out]``
+        kernel (``[*kernel_size, out, in]`` with ``transpose_kernel=True``).
+      bias_init: initializer for the ``[E, out]`` bias (default: zeros).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.5)).
+      transpose_kernel: if True, flip the kernel's spatial axes and swap its
+        channel axes, as ``jax.lax.conv_transpose`` does.
+      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
+        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      preferred_element_type: accumulation/output dtype of the convolution.
+      impl: the op implementation, ``"auto"`` or ``"xla"``.
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      kernel_metadata: metadata of the kernel ``Param``.
+      bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
+      fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | Sequence[int],
+        strides: int | Sequence[int] | None = None,
+        *,
+        num_members: int,
+        padding: PaddingLike = "SAME",
+        kernel_dilation: int | Sequence[int] | None = None,
+        use_bias: bool = True,
+        mask: jax.Array | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike | None = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        transpose_kernel: bool = False,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        fast_weight_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        in_features = check_positive_int(in_features, "in_features")
+        out_features = check_positive_int(out_features, "out_features")
+        kernel_size = _kernel_size(kernel_size)
+        num_members = check_num_members(num_members)
+        impl = conv.check_impl(impl)
+        if transpose_kernel:
+            kernel_shape = (*kernel_size, out_features, in_features)
+        else:
+            kernel_shape = (*kernel_size, in_features, out_features)
+        _check_mask(mask, kernel_shape)
+
+        self._init_params(
+            kernel_shape,
+            num_members,
+            in_features,
+            out_features,
+            use_bias,
+            param_dtype,
+            kernel_init,
+            bias_init,
+            r_init,
+            s_init,
+            rngs,
+            kernel_metadata,
+            bias_metadata,
+            fast_weight_metadata,
+        )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.padding = padding
+        self.kernel_dilation = kernel_dilation
+        self.use_bias = use_bias
+        self.mask = mask
+        self.num_members = num_members
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.transpose_kernel = transpose_kernel
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.impl = impl
+        self.member: int | None = None
+
+    @classmethod
+    def from_conv_transpose(
+        cls,
+        layer: nnx.ConvTranspose,
+        *,
+        num_members: int,
+        rngs: nnx.Rngs,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        share_kernel: bool = False,
+        impl: str = "auto",
+    ) -> BatchEnsembleConvTranspose:
+        """Builds a BatchEnsemble layer around a pretrained ``nnx.ConvTranspose``.
+
+        The kernel is kept (copied; the very same ``Param`` with
+        ``share_kernel=True``), the bias is broadcast to every member and every
+        option is copied. With ``r_init = s_init = ones()`` every member
+        computes exactly what ``layer`` does. ``layer`` is never changed.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> pretrained = nnx.ConvTranspose(3, 4, (3, 3), 2, rngs=nnx.Rngs(0))
+        >>> layer = ensembles.BatchEnsembleConvTranspose.from_conv_transpose(
+        ...     pretrained, num_members=2, rngs=nnx.Rngs(1),
+        ...     r_init=ensembles.initializers.ones(),
+        ...     s_init=ensembles.initializers.ones())
+        >>> x = jnp.ones((5, 8, 8, 3))
+        >>> bool(jnp.allclose(layer(ensembles.tile(x, 2))[5:], pretrained(x)))
+        True
+
+        Args:
+          layer: the pretrained ``nnx.ConvTranspose``.
+          num_members: the ensemble size E.
+          rngs: rng keys for the fast weights.
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
+          share_kernel: if True, the new layer holds ``layer``'s kernel
+            ``Param`` itself.
+          impl: the op implementation.
+
+        Returns:
+          The new ``BatchEnsembleConvTranspose``.
+
+        Raises:
+          TypeError: if ``layer`` is not an ``nnx.ConvTranspose``.
+        """
+        if not isinstance(layer, nnx.ConvTranspose):
+            raise TypeError(
+                f"`layer` must be an `nnx.ConvTranspose`, got {type(layer).__name__}."
+            )
+        kernel = layer.kernel[...]
+        bias_init, bias_metadata = _bias_init_from(layer)
+        new = cls(
+            layer.in_features,
+            layer.out_features,
+            layer.kernel_size,
+            layer.strides,
+            num_members=num_members,
+            padding=layer.padding,
+            kernel_dilation=layer.kernel_dilation,
+            use_bias=layer.bias is not None,
+            mask=layer.mask,
+            dtype=layer.dtype,
+            param_dtype=layer.param_dtype,
+            precision=layer.precision,
+            kernel_init=lambda key, shape, dtype: kernel,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            transpose_kernel=layer.transpose_kernel,
+            promote_dtype=layer.promote_dtype,
+            preferred_element_type=layer.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=layer.kernel.get_metadata(),
+            bias_metadata=bias_metadata,
+        )
+        if share_kernel:
+            new.kernel = layer.kernel
+        return new
+
+    def extract_member(self, member: int) -> nnx.ConvTranspose:
+        """Returns member ``member`` as a plain ``nnx.ConvTranspose``.
+
+        Its kernel is member ``member``'s effective kernel and its bias
+        ``bias[member]``; every option is copied. It maps an un-tiled batch as
+        ``nnx.view(self, member=member)`` does, up to rounding.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> layer = ensembles.BatchEnsembleConvTranspose(
+        ...     3, 4, (3,), num_members=2, transpose_kernel=True,
+        ...     rngs=nnx.Rngs(0))
+        >>> plain = layer.extract_member(0)
+        >>> type(plain).__name__, plain.kernel.shape, plain.bias.shape
+        ('ConvTranspose', (3, 4, 3), (4,))
+        >>> x = jnp.ones((5, 8, 3))
+        >>> bool(jnp.allclose(plain(x), nnx.view(layer, member=0)(x), atol=1e-5))
+        True
+
+        Args:
+          member: the member index k, ``0 <= k < num_members``.
+
+        Returns:
+          A new ``nnx.ConvTranspose``; this layer is not changed.
+        """
+        params = self._member_params(member, transpose_kernel=self.transpose_kernel)
+        return plain_layer(
+            lambda: nnx.ConvTranspose(
+                self.in_features,
+                self.out_features,
+                self.kernel_size,
+                self.strides,
+                padding=self.padding,
+                kernel_dilation=self.kernel_dilation,
+                use_bias=self.use_bias,
+                mask=self.mask,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                transpose_kernel=self.transpose_kernel,
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=nnx.Rngs(0),
+            ),
+            **params,
+        )
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies every member (or the viewed member) to its rows of ``inputs``.
+
+        Args:
+          inputs: ``[E*B, ..., *spatial, in_features]`` member-major inputs
+            (channels last); in a member view an un-tiled batch.
+
+        Returns:
+          The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
+          outputs.
+        """
+        num_members, (inputs, kernel, r, s, bias) = self._operands(inputs)
+        return conv.batch_ensemble_conv_transpose(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
+            strides=self.strides,
+            padding=self.padding,
+            kernel_dilation=self.kernel_dilation,
+            transpose_kernel=self.transpose_kernel,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
+        )

@@ -1,0 +1,558 @@
+"""The BatchEnsemble convolution ops: validation, dispatch, jnp formulation.
+
+Member ``k`` of :func:`batch_ensemble_conv` maps its rows ``[k*B, (k+1)*B)`` of a
+member-major, channels-last batch as a convolution with kernel
+``kernel * (r[k] (x) s[k])`` over the channel axes would. Because ``r`` scales
+input channels and ``s`` output channels, that is computed without forming
+per-member kernels::
+
+    y = conv(x * r[k], kernel) * s[k] + bias[k]
+
+with one ``lax.conv_general_dilated`` shared by all members over the flat
+``[E*B, ...]`` batch. Padding that copies input values (``CIRCULAR``, ``REFLECT``)
+commutes with the per-channel scaling by ``r``, and so do the wrap-around sums of
+a circular transposed convolution with the per-channel scaling by ``s``.
+
+With ``feature_group_count = G`` the kernel is ``[*kernel_size, in/G, out]`` and
+output channel ``o`` reads input channels of group ``o // (out/G)`` only, so the
+effective kernel of member ``k`` is ``kernel[..., j, o] * r[k, g*in/G + j] *
+s[k, o]`` with ``g = o // (out/G)`` (see :func:`effective_kernel`).
+
+The padding conventions and dimension numbers are Flax's own
+(``flax.nnx.nn.linear.canonicalize_padding`` and ``_conv_dimension_numbers``,
+pure functions of shapes), so every padding form means exactly what it means
+for ``nnx.Conv`` / ``nnx.ConvTranspose``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.nnx.nn.linear import _conv_dimension_numbers, canonicalize_padding
+from jax import lax
+
+from ensembles._checks import (
+    check_choice,
+    check_member_batch,
+    check_num_members,
+    check_positive_int,
+)
+
+__all__ = [
+    "IMPLS",
+    "batch_ensemble_conv",
+    "batch_ensemble_conv_transpose",
+    "check_impl",
+    "effective_kernel",
+    "resolve_impl",
+]
+
+#: The implementations the convolution ops accept as ``impl``.
+IMPLS: tuple[str, ...] = ("auto", "xla")
+
+IntOrSequence = int | Sequence[int] | None
+PaddingLike = str | int | Sequence[int | tuple[int, int]]
+
+
+def check_impl(impl: str) -> str:
+    """Checks that ``impl`` names an implementation of the convolution ops.
+
+    Args:
+      impl: one of :data:`IMPLS`.
+
+    Returns:
+      ``impl`` unchanged.
+
+    Raises:
+      ValueError: if ``impl`` is not one of :data:`IMPLS`.
+
+    >>> check_impl("xla")
+    'xla'
+    """
+    return check_choice(impl, "impl", IMPLS)
+
+
+def resolve_impl(impl: str) -> str:
+    """Resolves ``"auto"`` to the concrete implementation used on this backend.
+
+    ``"auto"`` is ``"xla"`` everywhere: XLA's convolution already takes the
+    scalings as cheap fused elementwise loops (see ``benchmarks/bench_conv.py``).
+
+    Args:
+      impl: one of :data:`IMPLS`.
+
+    Returns:
+      The concrete implementation name.
+
+    >>> resolve_impl("auto")
+    'xla'
+    """
+    check_impl(impl)
+    return "xla" if impl == "auto" else impl
+
+
+def effective_kernel(
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    *,
+    feature_group_count: int = 1,
+    transpose_kernel: bool = False,
+) -> jax.Array:
+    """Returns one member's effective kernel ``kernel * (r (x) s)``.
+
+    For a grouped convolution (kernel ``[*kernel_size, in/G, out]``) output
+    channel ``o`` sees the input channels of its group only, so ``r`` is read
+    per group. For a transposed convolution with ``transpose_kernel=True`` the
+    kernel is ``[*kernel_size, out, in]``.
+
+    >>> import jax.numpy as jnp
+    >>> kernel = jnp.ones((1, 2, 4))            # kernel_size 1, in/G = 2, out = 4
+    >>> r = jnp.array([1.0, 2.0, 3.0, 4.0])     # in = 4
+    >>> s = jnp.ones(4)
+    >>> effective_kernel(kernel, r, s, feature_group_count=2)[0]
+    Array([[1., 1., 3., 3.],
+           [2., 2., 4., 4.]], dtype=float32)
+
+    Args:
+      kernel: the shared kernel, in Flax's layout.
+      r: ``[in_features]`` input fast weights of the member.
+      s: ``[out_features]`` output fast weights of the member.
+      feature_group_count: the number of feature groups G (convolution only).
+      transpose_kernel: whether ``kernel`` is ``[*kernel_size, out, in]``.
+
+    Returns:
+      An array of ``kernel``'s shape and dtype.
+    """
+    if transpose_kernel:
+        scale = jnp.outer(s, r)
+    else:
+        groups = feature_group_count
+        in_per_group = r.shape[0] // groups
+        out_per_group = s.shape[0] // groups
+        # [in/G, out]: column o holds r over the input channels of o's group.
+        r_columns = jnp.repeat(r.reshape(groups, in_per_group).T, out_per_group, 1)
+        scale = r_columns * s[None, :]
+    scale = scale.astype(kernel.dtype).reshape((1,) * (kernel.ndim - 2) + scale.shape)
+    return kernel * scale
+
+
+def _tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]:
+    """Broadcasts ``value`` to ``rank`` positive ints, as Flax's layers do."""
+    if value is None:  # Flax's sentinel for 1.
+        value = 1
+    if isinstance(value, int) and not isinstance(value, bool):
+        values = (value,) * rank
+    else:
+        try:
+            values = tuple(value)
+        except TypeError:
+            raise TypeError(
+                f"`{name}` must be an int or a sequence of {rank} ints, got {value!r}."
+            ) from None
+        if len(values) != rank:
+            raise ValueError(
+                f"`{name}` must be an int or a sequence of {rank} ints (one per "
+                f"spatial dimension of the {rank}-D kernel), got {value!r}."
+            )
+    return tuple(check_positive_int(v, name) for v in values)
+
+
+_CONV_PADDINGS = ("SAME", "SAME_LOWER", "VALID", "CIRCULAR", "REFLECT", "CAUSAL")
+_TRANSPOSE_PADDINGS = ("SAME", "SAME_LOWER", "VALID", "CIRCULAR")
+
+
+def _padding(padding: Any, rank: int, names: tuple[str, ...]) -> Any:
+    message = (
+        f"`padding` must be one of {list(names)}, an int, or a sequence of "
+        f"{rank} ints or (low, high) pairs, got {padding!r}."
+    )
+    try:
+        padding = canonicalize_padding(padding, rank)
+    except (ValueError, TypeError):
+        raise ValueError(message) from None
+    if isinstance(padding, str) and padding not in names:
+        raise ValueError(message)
+    return padding
+
+
+def _check_shapes(
+    inputs, kernel, r, s, bias, num_members, in_features, out_features, source
+) -> int:
+    """Checks the conv op's array shapes; returns the number of spatial dims."""
+    if kernel.ndim < 3:
+        raise ValueError(
+            f"`kernel` must have shape [*kernel_size, in, out] with at least one "
+            f"spatial dimension, got shape {kernel.shape}."
+        )
+    rank = kernel.ndim - 2
+    if inputs.ndim < rank + 2:
+        raise ValueError(
+            f"`inputs` must have shape [E*B, *spatial ({rank} dims), "
+            f"in_features] (at least {rank + 2} dimensions) for a {rank}-D "
+            f"kernel, got shape {inputs.shape}. Add a batch axis, e.g. "
+            f"`inputs[None]`, and tile it with `ensembles.tile`."
+        )
+    if inputs.shape[-1] != in_features:
+        raise ValueError(
+            f"`inputs.shape[-1]` (={inputs.shape[-1]}) must equal in_features "
+            f"(={in_features}: {source}, `kernel.shape`={kernel.shape}); got "
+            f"inputs of shape {inputs.shape}."
+        )
+    check_member_batch(inputs.shape[0], num_members)
+    expected = {"r": (num_members, in_features), "s": (num_members, out_features)}
+    if bias is not None:
+        expected["bias"] = (num_members, out_features)
+    for name, array in (("r", r), ("s", s), ("bias", bias)):
+        if name in expected and tuple(array.shape) != expected[name]:
+            raise ValueError(
+                f"`{name}` must have shape [num_members, features] = "
+                f"{expected[name]}, got {tuple(array.shape)}."
+            )
+    return rank
+
+
+def _to_members(inputs, r, rank):
+    """Flattens batch axes to one and scales input channels by ``r``."""
+    num_members, in_features = r.shape
+    spatial = inputs.shape[-rank - 1 : -1]
+    x = inputs.reshape(num_members, -1, *spatial, in_features)
+    x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
+    return x.reshape(-1, *spatial, in_features)
+
+
+def _from_members(y, s, bias, batch_shape):
+    """Scales output channels by ``s``, adds ``bias``, restores batch axes."""
+    num_members, out_features = s.shape
+    per_member = (num_members, -1, *y.shape[1:])
+    ones = (1,) * (y.ndim - 1)
+    y = y.reshape(per_member) * s.reshape(num_members, *ones, out_features)
+    if bias is not None:
+        y = y + bias.reshape(num_members, *ones, out_features)
+    return y.reshape(*batch_shape, *y.shape[2:])
+
+
+def _conv_xla(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    strides,
+    padding,
+    input_dilation,
+    kernel_dilation,
+    feature_group_count,
+    precision,
+    preferred_element_type,
+):
+    rank = kernel.ndim - 2
+    batch_shape = inputs.shape[: -rank - 1]
+    x = _to_members(inputs, r, rank)
+    if padding in ("CIRCULAR", "REFLECT"):
+        # As nnx.Conv: pad by the dilated kernel's half-widths, then VALID.
+        dilated = [
+            (k - 1) * d + 1
+            for k, d in zip(kernel.shape[:rank], kernel_dilation, strict=True)
+        ]
+        pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+        mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
+        x = jnp.pad(x, pads, mode=mode)
+        padding = "VALID"
+    elif padding == "CAUSAL":
+        left = kernel_dilation[0] * (kernel.shape[0] - 1)
+        x = jnp.pad(x, [(0, 0), (left, 0), (0, 0)])
+        padding = "VALID"
+    y = lax.conv_general_dilated(
+        x,
+        kernel,
+        strides,
+        padding,
+        lhs_dilation=input_dilation,
+        rhs_dilation=kernel_dilation,
+        dimension_numbers=_conv_dimension_numbers(x.shape),
+        feature_group_count=feature_group_count,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    return _from_members(y, s, bias, batch_shape)
+
+
+def batch_ensemble_conv(
+    inputs: jax.Array,
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    num_members: int,
+    strides: IntOrSequence = 1,
+    padding: PaddingLike = "SAME",
+    input_dilation: IntOrSequence = 1,
+    kernel_dilation: IntOrSequence = 1,
+    feature_group_count: int = 1,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Applies a BatchEnsemble convolution to a member-major, channels-last batch.
+
+    Rows ``[k*B, (k+1)*B)`` of ``inputs`` belong to member ``k``, which
+    convolves them as ``nnx.Conv`` with kernel ``effective_kernel(kernel, r[k],
+    s[k], feature_group_count=G)`` and bias ``bias[k]`` would. The op scales
+    the input channels by ``r``, runs one convolution shared by all members and
+    scales the output channels by ``s``. Every argument after ``num_members``
+    means what it means for ``nnx.Conv``.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.ops import batch_ensemble_conv
+    >>> x = jnp.ones((2 * 3, 8, 8, 4))               # E=2, B=3, 8x8 pixels, 4 channels
+    >>> kernel = jnp.ones((3, 3, 4, 5))              # 3x3, in=4, out=5
+    >>> r = jnp.stack([jnp.ones(4), 2 * jnp.ones(4)])  # [E, in]
+    >>> s = jnp.ones((2, 5))                           # [E, out]
+    >>> y = batch_ensemble_conv(x, kernel, r, s, num_members=2, padding="VALID")
+    >>> y.shape
+    (6, 6, 6, 5)
+    >>> y[:, 0, 0, 0]
+    Array([36., 36., 36., 72., 72., 72.], dtype=float32)
+
+    Args:
+      inputs: ``[E*B, ..., *spatial, in_features]`` member-major batch; extra
+        batch axes after the first are flattened, as ``nnx.Conv`` does.
+      kernel: the shared ``[*kernel_size, in_features/G, out_features]`` kernel
+        (1, 2 or 3 spatial dimensions).
+      r: ``[E, in_features]`` input fast weights.
+      s: ``[E, out_features]`` output fast weights.
+      bias: ``[E, out_features]`` per-member bias, or ``None``.
+      num_members: the ensemble size E.
+      strides: an int or one int per spatial dimension.
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
+        ``'CAUSAL'`` (1-D only), an int, or one int or ``(low, high)`` pair per
+        spatial dimension.
+      input_dilation: an int or one int per spatial dimension.
+      kernel_dilation: an int or one int per spatial dimension.
+      feature_group_count: the number of feature groups G; it must divide
+        ``in_features`` and ``out_features``.
+      precision: convolution precision, as for ``jax.lax.conv_general_dilated``.
+      preferred_element_type: accumulation/output dtype of the convolution.
+      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (``"xla"``).
+
+    Returns:
+      The ``[E*B, ..., *out_spatial, out_features]`` outputs.
+
+    Raises:
+      ValueError: if a shape, ``num_members``, an option or ``impl`` is
+        invalid; the message names the argument and the fix.
+      TypeError: if ``num_members`` or an option has the wrong type.
+    """
+    num_members = check_num_members(num_members)
+    impl = resolve_impl(impl)
+    groups = check_positive_int(feature_group_count, "feature_group_count")
+    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
+    bias = None if bias is None else jnp.asarray(bias)
+    if kernel.ndim >= 2:
+        in_features, out_features = kernel.shape[-2] * groups, kernel.shape[-1]
+    else:
+        in_features = out_features = -1
+    rank = _check_shapes(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        num_members,
+        in_features,
+        out_features,
+        f"`kernel.shape[-2]` times `feature_group_count` (={groups})",
+    )
+    if out_features % groups:
+        raise ValueError(
+            f"`feature_group_count` (={groups}) must divide out_features "
+            f"(={out_features}, `kernel.shape[-1]`)."
+        )
+    padding = _padding(padding, rank, _CONV_PADDINGS)
+    if padding == "CAUSAL" and rank != 1:
+        raise ValueError(
+            f"`padding='CAUSAL'` is only defined for 1-D convolutions (as in "
+            f"`nnx.Conv`), got a {rank}-D kernel of shape {kernel.shape}."
+        )
+    return _IMPLEMENTATIONS[impl](
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        strides=_tuple(strides, "strides", rank),
+        padding=padding,
+        input_dilation=_tuple(input_dilation, "input_dilation", rank),
+        kernel_dilation=_tuple(kernel_dilation, "kernel_dilation", rank),
+        feature_group_count=groups,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+
+
+def _conv_transpose_xla(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    strides,
+    padding,
+    kernel_dilation,
+    transpose_kernel,
+    precision,
+    preferred_element_type,
+):
+    rank = kernel.ndim - 2
+    batch_shape = inputs.shape[: -rank - 1]
+    x = _to_members(inputs, r, rank)
+    y = lax.conv_transpose(
+        x,
+        kernel,
+        strides,
+        "VALID" if padding == "CIRCULAR" else padding,
+        rhs_dilation=kernel_dilation,
+        transpose_kernel=transpose_kernel,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    if padding == "CIRCULAR":
+        # nnx.ConvTranspose's circular padding: pad each spatial axis to whole
+        # periods (input size times stride) and sum the periods.
+        periods = [n * stride for n, stride in zip(x.shape[1:-1], strides, strict=True)]
+        size_diffs = [
+            -(m - p) % (2 * p) for m, p in zip(y.shape[1:-1], periods, strict=True)
+        ]
+        if transpose_kernel:
+            pads = [(d // 2, (d + 1) // 2) for d in size_diffs]
+        else:
+            pads = [((d + 1) // 2, d // 2) for d in size_diffs]
+        y = jnp.pad(y, [(0, 0), *pads, (0, 0)])
+        for axis, period in enumerate(periods, start=1):
+            y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
+            y = y.sum(axis=axis)
+    return _from_members(y, s, bias, batch_shape)
+
+
+_IMPLEMENTATIONS = {"xla": _conv_xla}
+_TRANSPOSE_IMPLEMENTATIONS = {"xla": _conv_transpose_xla}
+
+
+def batch_ensemble_conv_transpose(
+    inputs: jax.Array,
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    num_members: int,
+    strides: IntOrSequence = None,
+    padding: PaddingLike = "SAME",
+    kernel_dilation: IntOrSequence = None,
+    transpose_kernel: bool = False,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Applies a BatchEnsemble transposed convolution to a member-major batch.
+
+    Rows ``[k*B, (k+1)*B)`` of ``inputs`` belong to member ``k``, which maps
+    them as ``nnx.ConvTranspose`` with kernel ``effective_kernel(kernel, r[k],
+    s[k], transpose_kernel=transpose_kernel)`` and bias ``bias[k]`` would: one
+    shared ``lax.conv_transpose`` between the scalings by ``r`` and ``s``.
+    Every argument after ``num_members`` means what it means for
+    ``nnx.ConvTranspose``.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.ops import batch_ensemble_conv_transpose
+    >>> x = jnp.ones((2 * 3, 4, 4))                  # E=2, B=3, length 4, 4 channels
+    >>> kernel = jnp.ones((3, 4, 5))                 # kernel 3, in=4, out=5
+    >>> r = jnp.ones((2, 4))
+    >>> s = jnp.stack([jnp.ones(5), -jnp.ones(5)])   # [E, out]
+    >>> y = batch_ensemble_conv_transpose(x, kernel, r, s, num_members=2,
+    ...                                   strides=2)
+    >>> y.shape
+    (6, 8, 5)
+    >>> y[:, 2, 0]
+    Array([ 8.,  8.,  8., -8., -8., -8.], dtype=float32)
+
+    Args:
+      inputs: ``[E*B, ..., *spatial, in_features]`` member-major batch; extra
+        batch axes after the first are flattened, as ``nnx.ConvTranspose`` does.
+      kernel: the shared ``[*kernel_size, in_features, out_features]`` kernel
+        (``[*kernel_size, out_features, in_features]`` with
+        ``transpose_kernel=True``).
+      r: ``[E, in_features]`` input fast weights.
+      s: ``[E, out_features]`` output fast weights.
+      bias: ``[E, out_features]`` per-member bias, or ``None``.
+      num_members: the ensemble size E.
+      strides: an int or one int per spatial dimension (``None``: 1).
+      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, an int, or one int or
+        ``(low, high)`` pair per spatial dimension. ``'CAUSAL'`` and
+        ``'REFLECT'`` are rejected: ``nnx.ConvTranspose`` does not implement
+        them either.
+      kernel_dilation: an int or one int per spatial dimension (``None``: 1).
+      transpose_kernel: if True, flip the spatial axes and swap the channel
+        axes of the kernel, as ``jax.lax.conv_transpose`` does.
+      precision: convolution precision, as for ``jax.lax.conv_transpose``.
+      preferred_element_type: accumulation/output dtype of the convolution.
+      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (``"xla"``).
+
+    Returns:
+      The ``[E*B, ..., *out_spatial, out_features]`` outputs.
+
+    Raises:
+      ValueError: if a shape, ``num_members``, an option or ``impl`` is
+        invalid; the message names the argument and the fix.
+      TypeError: if ``num_members`` or an option has the wrong type.
+    """
+    num_members = check_num_members(num_members)
+    impl = resolve_impl(impl)
+    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
+    bias = None if bias is None else jnp.asarray(bias)
+    if kernel.ndim >= 2:
+        in_features, out_features = kernel.shape[-2:]
+        if transpose_kernel:
+            in_features, out_features = out_features, in_features
+    else:
+        in_features = out_features = -1
+    rank = _check_shapes(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        num_members,
+        in_features,
+        out_features,
+        "`kernel.shape[-1]` with `transpose_kernel=True`"
+        if transpose_kernel
+        else "`kernel.shape[-2]`",
+    )
+    if isinstance(padding, str) and padding in ("CAUSAL", "REFLECT"):
+        raise ValueError(
+            f"`padding={padding!r}` is not defined for transposed convolutions "
+            f"(`nnx.ConvTranspose` does not implement it either): use 'SAME', "
+            f"'VALID', 'CIRCULAR' or explicit (low, high) pairs."
+        )
+    padding = _padding(padding, rank, _TRANSPOSE_PADDINGS)
+    return _TRANSPOSE_IMPLEMENTATIONS[impl](
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        strides=_tuple(strides, "strides", rank),
+        padding=padding,
+        kernel_dilation=_tuple(kernel_dilation, "kernel_dilation", rank),
+        transpose_kernel=bool(transpose_kernel),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )

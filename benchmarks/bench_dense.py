@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import ensembles
-from benchmarks.timing import interleaved_times, median, paired_ratio
+from ensembles.benchmark.timing import interleaved_times, median, paired_ratio
 
 # (E, B, in, out)
 SHAPES = [

@@ -1,0 +1,315 @@
+"""Tests of the ``ensembles-bench`` command and its methods (tiny sizes)."""
+
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ensembles
+from ensembles.benchmark import (
+    METHODS,
+    MODES,
+    NUM_CLASSES,
+    build_model,
+    cli,
+    main,
+    prepare_method,
+)
+from tests.tolerances import assert_close
+
+E, B, WIDTH, IMAGE = 2, 3, 4, 6
+TINY = {"num_members": E, "batch": B, "width": WIDTH, "image_size": IMAGE}
+TINY_ARGS = [
+    "--model",
+    "linear",
+    "--members",
+    "2",
+    "--batch",
+    "2",
+    "--width",
+    "4",
+    "--repeats",
+    "2",
+]
+
+
+MODELS = ["linear", "mlp", "cnn"]
+
+
+@functools.cache
+def _forward(method, model, ones=False):
+    """Forward steps are pure, so tests share one compiled method per case."""
+    init = ensembles.initializers.ones() if ones else None
+    return prepare_method(method, model, "forward", fast_weight_init=init, **TINY)
+
+
+def _outputs(model):
+    return WIDTH if model == "linear" else NUM_CLASSES
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_defaults_and_quick():
+    args = cli._parse([])
+    assert args.model == ("mlp",)
+    assert args.mode == ("forward", "train")
+    assert args.members == (1, 2, 4, 8)
+    assert (args.batch, args.repeats, args.impl) == (128, 10, "auto")
+    quick = cli._parse(["--quick"])
+    assert (quick.members, quick.repeats) == ((1, 4), 5)
+    # --quick only fills in what the line leaves out.
+    given = cli._parse(["--quick", "--members", "3", "--repeats", "7"])
+    assert (given.members, given.repeats) == ((3,), 7)
+
+
+def test_lists_parse():
+    args = cli._parse(
+        ["--model", "linear,mlp", "--mode", "train", "--members", " 8, 2,8"]
+    )
+    assert args.model == ("linear", "mlp")
+    assert args.mode == ("train",)
+    assert args.members == (8, 2)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--members", "0"], "every ensemble size E must be >= 1"),
+        (["--members", "1,-2"], "every ensemble size E must be >= 1"),
+        (["--members", "1,x"], "comma-separated list of integers"),
+        (["--members", "2.5"], "comma-separated list of integers"),
+        (["--model", "resnet"], "unknown 'resnet'; choose from linear, mlp, cnn"),
+        (["--mode", "forward,eval"], "unknown 'eval'; choose from forward, train"),
+        (["--impl", "cuda"], "invalid choice: 'cuda'"),
+        (["--batch", "0"], "must be an integer >= 1, got 0"),
+        (["--repeats", "two"], "must be an integer >= 1, got 'two'"),
+        (["--plot", "out.pdf"], "must end in .png"),
+    ],
+)
+def test_bad_arguments_exit_with_message(capsys, argv, message):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "ensembles-bench: error:" in err
+    assert message in err
+
+
+@pytest.mark.skipif(
+    "pallas" not in ensembles.ops.IMPLS, reason="no Pallas dense op to refuse"
+)
+def test_impl_the_conv_lacks(capsys):
+    # The dense op has a Pallas kernel, the conv op has not: the CNN refuses.
+    with pytest.raises(SystemExit) as raised:
+        main(["--model", "cnn", "--impl", "pallas"])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model cnn --impl pallas: impl='pallas' is not available" in err
+
+
+def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as raised:
+        main([*TINY_ARGS, "--plot", str(tmp_path / "out.png")])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err
+    assert "pip install 'ensembles[bench]'" in err
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_train_without_optax(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "optax", None)
+    with pytest.raises(SystemExit) as raised:
+        main([*TINY_ARGS, "--mode", "train"])
+    assert raised.value.code == 2
+    assert "--mode train needs optax" in capsys.readouterr().err
+
+
+def test_impl_choices_are_the_ops():
+    action = next(
+        a for a in cli.build_parser()._actions if a.option_strings == ["--impl"]
+    )
+    assert tuple(action.choices) == ensembles.ops.IMPLS
+
+
+# ------------------------------------------------------------------ methods
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_method_runs(model, method, mode):
+    if mode == "forward":
+        prepared = _forward(method, model)
+    else:
+        prepared = prepare_method(method, model, mode, **TINY)
+    assert prepared.method == method
+    first = prepared.step()
+    if mode == "forward":
+        assert first.shape == (E * B, _outputs(model))
+        assert bool(jnp.all(jnp.isfinite(first)))
+        # Forward steps are pure: the same inputs give the same outputs.
+        assert_close(prepared.step(), first)
+    else:
+        losses = np.asarray(first)
+        expected = (E,) if method.startswith("deep") else ()
+        assert losses.shape == expected
+        assert np.all(np.isfinite(losses)) and np.all(losses > 0)
+        before = jax.tree.map(np.asarray, prepared.params())
+        prepared.step()
+        after = jax.tree.map(np.asarray, prepared.params())
+        changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), before, after)
+        assert all(jax.tree.leaves(changed)), "adam must update every parameter"
+    memory = prepared.memory
+    assert memory.argument_bytes >= prepared.param_bytes > 0
+    assert memory.output_bytes > 0 and memory.temp_bytes >= 0
+    assert memory.total_bytes == (
+        memory.argument_bytes
+        + memory.output_bytes
+        - memory.alias_bytes
+        + memory.temp_bytes
+    )
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_parameter_counts(model):
+    counts = {method: _forward(method, model).num_params for method in METHODS}
+    single = counts["single"]
+    assert single == sum(
+        np.size(x)
+        for x in jax.tree.leaves(
+            nnx.state(build_model(model, width=WIDTH, rngs=nnx.Rngs(0)))
+        )
+    )
+    assert counts["deep_ensemble"] == counts["deep_ensemble_loop"] == E * single
+    # BatchEnsemble adds r [E, in], s [E, out] and E-1 more biases per layer.
+    layers = [
+        node
+        for _, node in nnx.iter_graph(build_model(model, width=WIDTH, rngs=nnx.Rngs(0)))
+        if isinstance(node, nnx.Linear | nnx.Conv)
+    ]
+    extra = sum(
+        E * (layer.in_features + layer.out_features) + (E - 1) * layer.out_features
+        for layer in layers
+    )
+    assert counts["batchensemble"] == single + extra
+
+
+def test_impl_view_computes_the_same():
+    # "auto" (the cached default) and an explicit "xla" through nnx.view.
+    prepared = prepare_method("batchensemble", "mlp", "forward", impl="xla", **TINY)
+    assert_close(prepared.step(), _forward("batchensemble", "mlp").step())
+
+
+# ------------------------------------------- the methods compute the same
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_forward_batchensemble_with_ones_equals_single(model):
+    single = _forward("single", model)
+    ensemble = _forward("batchensemble", model, ones=True)
+    assert_close(ensemble.step(), single.step())
+    # With the default fast weights the members differ from the plain model.
+    default = _forward("batchensemble", model)
+    assert not np.allclose(default.step(), single.step(), atol=1e-3)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_forward_deep_ensemble_vmap_equals_loop(model):
+    vmapped = _forward("deep_ensemble", model).step()
+    looped = _forward("deep_ensemble_loop", model).step()
+    assert_close(vmapped, looped)
+    # Model 0 is the single model, on its own slice; model 1 is another model.
+    single = _forward("single", model).step()
+    assert_close(looped[:B], single[:B])
+    assert not np.allclose(looped[B:], single[B:], atol=1e-3)
+
+
+def test_train_batchensemble_with_ones_equals_single():
+    ones = ensembles.initializers.ones()
+    single = prepare_method("single", "mlp", "train", **TINY)
+    ensemble = prepare_method(
+        "batchensemble", "mlp", "train", fast_weight_init=ones, **TINY
+    )
+    assert_close(ensemble.step(), single.step())
+    # Every member is the plain model, so the shared kernels get its gradient
+    # and the same first adam update.
+    for k in (0, 2, 4):
+        assert_close(
+            ensemble.params()["layers"][k]["kernel"][...],
+            single.params()["layers"][k]["kernel"][...],
+        )
+
+
+def test_train_deep_ensemble_vmap_equals_loop():
+    vmapped = prepare_method("deep_ensemble", "mlp", "train", **TINY)
+    looped = prepare_method("deep_ensemble_loop", "mlp", "train", **TINY)
+    for _ in range(3):
+        assert_close(vmapped.step(), np.stack(looped.step()))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *looped.params())
+    jax.tree.map(assert_close, vmapped.params(), stacked)
+    losses = np.asarray(vmapped.step())
+    assert losses[0] != losses[1]
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_main_json_and_table(capsys, tmp_path):
+    path = tmp_path / "bench.json"
+    assert main([*TINY_ARGS, "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "linear forward: B=2 per member, width 4" in out
+    assert "linear train: B=2 per member, width 4" in out
+    for method in METHODS:
+        assert method in out
+    assert "[2/2] linear train E=2: timing 2 rounds" in err
+    result = json.loads(path.read_text())
+    assert set(result) >= {"device", "versions", "config", "results"}
+    assert result["device"]["platform"] == jax.devices()[0].platform
+    assert result["versions"]["jax"] == jax.__version__
+    assert result["versions"]["ensembles"] == ensembles.__version__
+    assert result["config"]["members"] == [2]
+    rows = result["results"]
+    assert [(r["mode"], r["method"]) for r in rows] == [
+        (mode, method) for mode in MODES for method in METHODS
+    ]
+    for row in rows:
+        assert (row["model"], row["members"], row["batch"], row["impl"]) == (
+            "linear",
+            2,
+            2,
+            "auto",
+        )
+        assert row["median_s"] > 0 and len(row["times_s"]) == 2
+        assert row["q1_s"] <= row["median_s"] <= row["q3_s"]
+        assert row["samples_per_s"] == pytest.approx(4 / row["median_s"])
+        assert isinstance(row["params"], int) and row["params"] > 0
+        assert isinstance(row["temp_bytes"], int) and row["temp_bytes"] >= 0
+        assert row["total_bytes"] > row["param_bytes"] >= 4 * row["params"]
+    by_method = {(r["mode"], r["method"]): r for r in rows}
+    for mode in MODES:
+        assert by_method[mode, "single"]["ratio_to_single"] == 1.0
+        deep = by_method[mode, "deep_ensemble"]
+        assert deep["speedup_vs_deep_ensemble"] == 1.0
+        assert deep["params"] == 2 * by_method[mode, "single"]["params"]
+        assert deep["params_ratio_to_deep_ensemble"] == 1.0
+
+
+def test_main_markdown_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    argv = [*TINY_ARGS, "--mode", "forward", "--markdown", "--plot", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| E | method | ms | spread | samples/s |" in out
+    assert "| 2 | batchensemble |" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000

@@ -81,8 +81,27 @@ class TestToBatchEnsemble:
     def test_converting_twice_is_a_no_op(self):
         model = MLP(nnx.Rngs(0))
         once = ensembles.to_batch_ensemble(model, num_members=2, rngs=nnx.Rngs(1))
-        with pytest.raises(ValueError, match=r"no layer to convert.*already holds 5"):
-            ensembles.to_batch_ensemble(once, num_members=2, rngs=nnx.Rngs(2))
+        twice = ensembles.to_batch_ensemble(once, num_members=2, rngs=nnx.Rngs(2))
+        assert count(twice, BatchEnsembleLinear) == 5
+        jax.tree.map(
+            np.testing.assert_array_equal, state_arrays(twice), state_arrays(once)
+        )
+        x = ensembles.tile(random_input(0, (3, 4)), 2)
+        np.testing.assert_array_equal(twice(x), once(x))
+
+    def test_other_ensemble_size_is_refused_and_nothing_changes(self):
+        once = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=2, rngs=nnx.Rngs(1)
+        )
+        rngs = nnx.Rngs(2)
+        count_before = int(rngs.params.count[...])
+        with pytest.raises(
+            ValueError,
+            match=r"`num_members` \(=3\) differs from "
+            r"the ensemble size.*num_members=2",
+        ):
+            ensembles.to_batch_ensemble(once, num_members=3, rngs=rngs)
+        assert int(rngs.params.count[...]) == count_before
 
     def test_random_fast_weights_make_members_differ(self):
         model = MLP(nnx.Rngs(0))
@@ -425,10 +444,11 @@ class TestRealModels:
         for k in range(3):
             assert_close(y[k], expected, scale=10)
         jax.tree.map(np.testing.assert_array_equal, before, state_arrays(model))
-        with pytest.raises(ValueError, match=r"already holds"):
-            ensembles.to_batch_ensemble(
-                ensemble, num_members=3, rngs=nnx.Rngs(2), norms=norms
-            )
+        again = ensembles.to_batch_ensemble(
+            ensemble, num_members=3, rngs=nnx.Rngs(2), norms=norms
+        )
+        tiled = ensembles.tile(x, 3)
+        np.testing.assert_array_equal(again(tiled), ensemble(tiled))
 
     def test_members_differ_and_extract_equals_view_equals_rows(self, name):
         model, x = self.build(name)
@@ -484,3 +504,23 @@ def test_summary_counts_member_norms():
         info.shared_params + info.fast_params + info.member_params
     )
     assert info.total_params < info.deep_ensemble_params
+
+
+def test_member_norms_excluded_by_only_are_an_error_not_a_silent_no():
+    model = TransformerBlock(nnx.Rngs(0))
+    rngs = nnx.Rngs(1)
+    with pytest.raises(ValueError, match=r'`norms="member"` would convert no norm'):
+        ensembles.to_batch_ensemble(
+            model, num_members=2, rngs=rngs, only=nnx.Linear, norms="member"
+        )
+    assert int(rngs.params.count[...]) == 0
+    # Selecting the norms too converts them; `only` still leaves attention alone.
+    converted = ensembles.to_batch_ensemble(
+        model,
+        num_members=2,
+        rngs=rngs,
+        only=(nnx.Linear, nnx.LayerNorm),
+        norms="member",
+    )
+    assert count(converted, ensembles.EnsembleLayerNorm) == 2
+    assert count(converted, nnx.LinearGeneral) == 4

@@ -71,7 +71,7 @@ def to_batch_ensemble(
     own fast weights from ``rngs``. With ``r_init = s_init =
     ones()`` every member computes exactly what ``model`` does. ``model`` itself
     is never changed. Layers that are already BatchEnsemble layers are left
-    alone, so converting twice is a no-op.
+    alone, so converting a converted model again is a no-op (it returns a copy).
 
     The converted model takes member-major ``[E*B, ...]`` batches (see
     :func:`ensembles.tile`, or wrap it in :class:`ensembles.Ensemble`).
@@ -94,7 +94,8 @@ def to_batch_ensemble(
       num_members: the ensemble size E.
       rngs: rng keys for the fast weights.
       only: an NNX filter (types, path predicates, ...) selecting which
-        convertible layers to convert; default: all of them.
+        convertible layers (and, with ``norms="member"``, which norms) to
+        convert; default: all of them.
       r_init: initializer for every converted layer's ``r``.
       s_init: initializer for every converted layer's ``s``.
       norms: ``"shared"`` keeps norm layers as they are (statistics and scale
@@ -108,17 +109,52 @@ def to_batch_ensemble(
       The converted model, of the same type as ``model``.
 
     Raises:
-      ValueError: if nothing was converted, or an argument is invalid.
+      ValueError: if the model holds nothing to convert and no BatchEnsemble
+        layer, if its BatchEnsemble layers have another ``num_members``, if
+        ``norms="member"`` but ``only`` excludes every norm, or if an argument
+        is invalid. Nothing (neither ``model`` nor ``rngs``) is changed then.
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)
     predicate = filterlib.to_predicate(only)
-    converted: list[str] = []
+    norm_types = NORM_CONVERTERS if norms == "member" else {}
+
+    # Decide everything before converting anything: an error leaves the model
+    # and `rngs` untouched.
+    layers, norm_layers, skipped_norms, existing = [], [], [], {}
+    for path, node in nnx.iter_graph(model):
+        where = "/".join(map(str, path))
+        if type(node) in CONVERTERS and predicate(path, node):
+            layers.append(where)
+        elif type(node) in norm_types:
+            (norm_layers if predicate(path, node) else skipped_norms).append(where)
+        elif _is_ensemble_layer(node):
+            existing[where] = node.num_members
+    mismatched = {w: e for w, e in existing.items() if e != num_members}
+    if mismatched:
+        raise ValueError(
+            f"`num_members` (={num_members}) differs from the ensemble size of "
+            f"layers `model` already holds: {mismatched}. Convert with "
+            f"num_members={next(iter(mismatched.values()))}, or start from the "
+            f"plain model."
+        )
+    if skipped_norms and not norm_layers:
+        raise ValueError(
+            f'`norms="member"` would convert no norm: `only` (={only!r}) '
+            f"excludes all of {skipped_norms}. Let `only` select them too (e.g. "
+            f'add their types), or pass norms="shared".'
+        )
+    if not layers and not norm_layers and not existing:
+        raise ValueError(
+            f"to_batch_ensemble found no layer to convert in "
+            f"{type(model).__name__}: convertible types are "
+            f"{sorted(t.__name__ for t in CONVERTERS)}, selected by `only`="
+            f"{only!r}."
+        )
 
     def convert(path, node):
         kind = type(node)
         if kind in CONVERTERS and predicate(path, node):
-            converted.append("/".join(map(str, path)))
             return CONVERTERS[kind](
                 node,
                 num_members=num_members,
@@ -129,27 +165,12 @@ def to_batch_ensemble(
                 # is meant to be shared): holding its kernel is what we want.
                 share_kernel=True,
             )
-        if norms == "member" and kind in NORM_CONVERTERS and predicate(path, node):
-            converted.append("/".join(map(str, path)))
-            return NORM_CONVERTERS[kind](node, num_members=num_members)
+        if kind in norm_types and predicate(path, node):
+            return norm_types[kind](node, num_members=num_members)
         return node
 
     source = model if share_weights else nnx.clone(model)
-    result = nnx.recursive_map(convert, source, graph=True)
-    if not converted:
-        already = [p for p, n in nnx.iter_graph(model) if _is_ensemble_layer(n)]
-        hint = (
-            f" It already holds {len(already)} BatchEnsemble layer(s): it looks "
-            f"converted."
-            if already
-            else f" Convertible types: {sorted(t.__name__ for t in CONVERTERS)}"
-            f"; `only`={only!r}."
-        )
-        raise ValueError(
-            f"to_batch_ensemble found no layer to convert in "
-            f"{type(model).__name__}.{hint}"
-        )
-    return result
+    return nnx.recursive_map(convert, source, graph=True)
 
 
 def _is_ensemble_layer(node: Any) -> bool:

@@ -18,10 +18,11 @@ output channel ``o`` reads input channels of group ``o // (out/G)`` only, so the
 effective kernel of member ``k`` is ``kernel[..., j, o] * r[k, g*in/G + j] *
 s[k, o]`` with ``g = o // (out/G)`` (see :func:`effective_kernel`).
 
-The padding conventions and dimension numbers are Flax's own
-(``flax.nnx.nn.linear.canonicalize_padding`` and ``_conv_dimension_numbers``,
-pure functions of shapes), so every padding form means exactly what it means
-for ``nnx.Conv`` / ``nnx.ConvTranspose``.
+The padding conventions are Flax's own (``canonicalize_padding``, a pure
+function of its arguments; no module is involved), so every padding form means
+exactly what it means for ``nnx.Conv`` / ``nnx.ConvTranspose``; the layout is
+channels-last, ``[N, *spatial, C]`` inputs and ``[*kernel_size, in, out]``
+kernels, as Flax's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax.nnx.nn.linear import _conv_dimension_numbers, canonicalize_padding
+from flax.nnx.nn.linear import canonicalize_padding
 from jax import lax
 
 from ensembles._checks import (
@@ -55,6 +56,14 @@ IMPLS: tuple[str, ...] = ("auto", "xla")
 
 IntOrSequence = int | Sequence[int] | None
 PaddingLike = str | int | Sequence[int | tuple[int, int]]
+
+
+def _channels_last_dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
+    """``[N, *spatial, C]`` inputs and outputs, ``[*spatial, in, out]`` kernels."""
+    spatial = tuple(range(1, ndim - 1))
+    lhs = (0, ndim - 1, *spatial)
+    rhs = (ndim - 1, ndim - 2, *range(ndim - 2))
+    return lax.ConvDimensionNumbers(lhs, rhs, lhs)
 
 
 def check_impl(impl: str) -> str:
@@ -274,7 +283,7 @@ def _conv_xla(
         padding,
         lhs_dilation=input_dilation,
         rhs_dilation=kernel_dilation,
-        dimension_numbers=_conv_dimension_numbers(x.shape),
+        dimension_numbers=_channels_last_dimension_numbers(x.ndim),
         feature_group_count=feature_group_count,
         precision=precision,
         preferred_element_type=preferred_element_type,

@@ -431,7 +431,7 @@ def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @jax.jit
 def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    probs = jnp.mean(_member_probs(logits), axis=0)
+    probs = _predictive_probs(logits)
     predicted = jnp.argmax(probs, axis=-1)
     return jnp.mean((predicted == labels).astype(probs.dtype))
 
@@ -463,7 +463,7 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @jax.jit
 def _brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    probs = jnp.mean(_member_probs(logits), axis=0)
+    probs = _predictive_probs(logits)
     targets = jax.nn.one_hot(labels, probs.shape[-1], dtype=probs.dtype)
     return jnp.mean(jnp.sum(jnp.square(probs - targets), axis=-1))
 
@@ -498,7 +498,7 @@ def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("num_bins",))
 def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
-    probs = jnp.mean(_member_probs(logits), axis=0)
+    probs = _predictive_probs(logits)
     confidence = jnp.max(probs, axis=-1)
     correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
     # Bin i holds confidences in (edges[i], edges[i+1]]; a side="left" search

@@ -1,4 +1,17 @@
-"""What every BatchEnsemble layer shares: parameter creation and member views."""
+"""What every BatchEnsemble layer shares: parameter creation and member views.
+
+Default sharding layout. Every parameter carries the metadata its layer was
+given (``kernel_metadata``, ``bias_metadata``, ``fast_weight_metadata``), so
+``nnx.get_partition_spec`` and Flax's eager sharding place it as annotated;
+unannotated parameters are replicated. The member axis is replicated by
+default: the fast weights ``[E, features]`` are small, and members live in the
+rows of the ``[E*B, ...]`` batch, which is what to shard for data
+parallelism. The shared kernel is sharded as annotated (e.g. its output
+features over a ``model`` axis). A bias broadcast from a pretrained layer
+(``from_*``) keeps that layer's annotation for its feature axes, behind a
+replicated member axis (:func:`member_axis_metadata`). See
+``docs/scaling_out.md``.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +33,9 @@ __all__ = [
     "without_member_axis_metadata",
 ]
 
-#: Metadata keys that hold one sharding name per array axis.
-_SHARDING_KEYS = ("sharding_names", "sharding")
+#: Metadata keys that hold one sharding name per array axis: Flax 0.12's
+#: ``out_sharding`` and the deprecated names it still accepts (and renames).
+_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
 def check_member(member: Any, num_members: int) -> int:
@@ -46,6 +60,9 @@ def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
 
     Sharding annotations get a leading ``None``: the member axis is replicated
     by default, like the fast weights, which are small.
+
+    >>> member_axis_metadata({"out_sharding": ("model",), "note": 1})
+    {'out_sharding': (None, 'model'), 'note': 1}
     """
     out = dict(metadata)
     for key in _SHARDING_KEYS:

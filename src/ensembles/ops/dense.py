@@ -6,11 +6,17 @@ ever forming per-member kernels::
 
     y = ((x * r[k]) @ kernel) * s[k] + bias[k]
 
-The ``"xla"`` implementation below is that formula in ``jnp`` with one 2-D
+The ``"xla"`` implementation below is that formula in ``jnp``, in one of two
+forms. On one device it splits the members off with reshapes and runs one 2-D
 matmul (see ``shared/notes/pallas.md``: the 2-D form is what XLA's CPU backend
-compiles best, forward and backward). It is also the reference the tests compare
-every other implementation against. The ``"pallas"`` implementation is the fused
-GPU/TPU kernel of :mod:`ensembles.ops.pallas_dense`.
+compiles best, forward and backward). Where a batch can be sharded (more than
+one device) it never reshapes the row axis: each row gathers its member's fast
+weights and bias, so XLA's SPMD partitioner keeps rows, middle axes and kernel
+features sharded as the user placed them, for any E (see
+:func:`rows_may_be_sharded` and ``docs/scaling_out.md``). Both are the
+reference the tests compare every other implementation against. The
+``"pallas"`` implementation is the fused GPU/TPU kernel of
+:mod:`ensembles.ops.pallas_dense`.
 """
 
 from __future__ import annotations
@@ -22,11 +28,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
 
 from ensembles._checks import check_choice, check_member_batch, check_num_members
 from ensembles.ops import pallas_dense
 
-__all__ = ["IMPLS", "batch_ensemble_dense", "check_impl", "resolve_impl"]
+__all__ = [
+    "IMPLS",
+    "batch_ensemble_dense",
+    "check_impl",
+    "resolve_impl",
+    "rows_may_be_sharded",
+]
 
 #: The implementations ``batch_ensemble_dense`` accepts as ``impl``.
 IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
@@ -136,7 +149,8 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             )
 
 
-def _dense_xla(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+def _dense_by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    """The one-device formulation: members split off by reshapes."""
     num_members, in_features = r.shape
     out_features = kernel.shape[1]
     # Scale in the [E, rows, in] view, multiply in the flat [E*rows, in] view:
@@ -154,6 +168,105 @@ def _dense_xla(inputs, kernel, r, s, bias, *, precision, preferred_element_type)
     if bias is not None:
         y = y + bias[:, None, :]
     return y.reshape(*inputs.shape[:-1], out_features)
+
+
+def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:
+    """``array``'s sharding if it is placed on an explicit mesh, else ``None``."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.explicit_axes:
+        return None
+    return sharding
+
+
+def _row_members(inputs, num_members: int) -> jax.Array:
+    """The member index of every row of ``inputs``, sharded as its rows are."""
+    num_rows = inputs.shape[0]
+    member = lax.broadcasted_iota(jnp.int32, (num_rows,), 0) // (
+        num_rows // num_members
+    )
+    sharding = _explicit_sharding(inputs)
+    if sharding is not None and sharding.spec and sharding.spec[0] is not None:
+        member = jax.sharding.reshard(
+            member, jax.sharding.NamedSharding(sharding.mesh, P(sharding.spec[0]))
+        )
+    return member
+
+
+def _per_row(array, member, like) -> jax.Array:
+    """``[E, features]`` -> ``[E*B, 1, ..., features]``: each row's member's slice.
+
+    The result is placed as ``like``, the activation it scales, is placed
+    (rows and features). Under an automatic mesh the partitioner infers that;
+    under an explicit mesh it is spelled out, since a replicated result would
+    make every device gather, and differentiate, the whole batch's fast weights.
+    """
+    sharding = _explicit_sharding(like)
+    if sharding is None:
+        rows = jnp.take(array, member, axis=0, mode="clip", indices_are_sorted=True)
+    else:
+        spec = (*sharding.spec, *(None,) * like.ndim)[: like.ndim]
+        rows = array.at[member].get(
+            mode="clip",
+            indices_are_sorted=True,
+            out_sharding=jax.sharding.NamedSharding(
+                sharding.mesh, P(spec[0], spec[-1])
+            ),
+        )
+    return rows.reshape(member.shape[0], *(1,) * (like.ndim - 2), array.shape[1])
+
+
+def _dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    """The sharding-friendly formulation: the row axis is never reshaped.
+
+    Each row takes its member's ``r``, ``s`` and bias with a gather by a member
+    index computed from an iota, and the matmul contracts the feature axis of
+    the inputs as they are. The partitioner then keeps every activation sharded
+    however its rows (data parallelism, any E), middle axes (sequence
+    parallelism) or the kernel's output features (model parallelism) are split,
+    where the reshape to ``[E, rows, in]`` would all-gather rows that do not
+    split along member boundaries (and is rejected outright under an explicit
+    mesh).
+    """
+    member = _row_members(inputs, r.shape[0])
+    y = lax.dot_general(
+        inputs * _per_row(r, member, inputs),
+        kernel,
+        (((inputs.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    y = y * _per_row(s, member, y)
+    if bias is not None:
+        y = y + _per_row(bias, member, y)
+    return y
+
+
+def rows_may_be_sharded() -> bool:
+    """Whether the dense ops use their sharding-friendly formulation.
+
+    That is whenever this process sees more than one device (on many hosts:
+    more than one in all), since only then can a batch be sharded. On one
+    device the ops keep the member reshapes, which are a few percent faster
+    to differentiate on CPU (the gather's transpose is a scatter-add).
+
+    >>> rows_may_be_sharded()                        # one CPU device
+    False
+    """
+    return jax.device_count() > 1
+
+
+def _dense_xla(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    formulation = _dense_by_row if rows_may_be_sharded() else _dense_by_member
+    return formulation(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
 
 
 def _dense_pallas(

@@ -1,0 +1,325 @@
+"""Sharded training: a converted MLP on a mesh of 8 (host) devices.
+
+The parent pytest process has one CPU device, so the sharded runs happen in a
+subprocess started with ``--xla_force_host_platform_device_count=8``. It trains
+the same converted MLP unsharded (the one-device formulation of the dense op)
+and on each mesh, and reports the final parameters, their placement and the
+all-gathers of each compiled step as JSON; the tests compare and count here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ensembles
+from ensembles.layers import base
+from ensembles.ops import dense
+
+SCRIPT = textwrap.dedent(
+    """
+    import contextlib, json, re, sys, time
+    from unittest import mock
+
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import ensembles
+    from ensembles.ops import dense
+
+    IN, HIDDEN, OUT, STEPS = 16, 32, 8, 4
+
+
+    def mlp(model_axis):
+        # Kernels' output features (and the biases) over `model_axis`, if any.
+        meta = {}
+        if model_axis:
+            meta = {
+                "kernel_metadata": {"out_sharding": (None, model_axis)},
+                "bias_metadata": {"out_sharding": (model_axis,)},
+            }
+        rngs = nnx.Rngs(0)
+        return nnx.Sequential(
+            nnx.Linear(IN, HIDDEN, rngs=rngs, **meta), nnx.relu,
+            nnx.Linear(HIDDEN, HIDDEN, rngs=rngs, **meta), nnx.relu,
+            nnx.Linear(HIDDEN, OUT, rngs=rngs, **meta),
+        )
+
+
+    def all_gathers(hlo):
+        # The result shapes of every all-gather in the compiled module.
+        return re.findall(r"= (.+?) all-gather(?:-start)?\\(", hlo)
+
+
+    def train(num_members, batch, mesh=None, model_axis=None):
+        rng = np.random.default_rng(0)
+        x = ensembles.tile(
+            jnp.asarray(rng.standard_normal((batch, IN)), jnp.float32),
+            num_members)
+        targets = jnp.asarray(
+            rng.standard_normal((num_members * batch, OUT)), jnp.float32)
+        with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+            model = ensembles.to_batch_ensemble(
+                mlp(model_axis), num_members=num_members, rngs=nnx.Rngs(1))
+            graphdef, params = nnx.split(model, nnx.Param)
+            if mesh is not None:
+                # The Flax workflow: placements from the variables' metadata.
+                specs = nnx.get_partition_spec(params)
+                params = jax.device_put(
+                    params,
+                    jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+                rows = NamedSharding(mesh, P("data"))
+                x, targets = jax.device_put((x, targets), rows)
+            placed = {
+                jax.tree_util.keystr(path): [
+                    None if a is None else str(a) for a in value.sharding.spec
+                ]
+                for path, value in jax.tree.leaves_with_path(params)
+                if hasattr(value.sharding, "spec")
+            }
+            tx = optax.sgd(0.1, momentum=0.9)
+            opt_state = tx.init(params)
+
+            @jax.jit
+            def step(params, opt_state, x, targets):
+                def loss_fn(params):
+                    y = nnx.merge(graphdef, params)(x)
+                    return jnp.mean(jnp.square(y - targets))
+
+                loss, grads = jax.value_and_grad(loss_fn)(params)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state, loss
+
+            hlo = step.lower(params, opt_state, x, targets).compile().as_text()
+            losses = []
+            for _ in range(STEPS):
+                params, opt_state, loss = step(params, opt_state, x, targets)
+                losses.append(float(loss))
+        flat = {
+            jax.tree_util.keystr(path): value
+            for path, value in jax.tree.leaves_with_path(params)
+        }
+        return {
+            "params": {k: np.asarray(v).tolist() for k, v in flat.items()},
+            "specs": placed,
+            "all_gathers": all_gathers(hlo),
+            "rows": num_members * batch,
+            "losses": losses,
+        }
+
+
+    def one_device_formulation():
+        return mock.patch.object(dense, "rows_may_be_sharded", lambda: False)
+
+
+    start = time.perf_counter()
+    assert jax.device_count() == 8, jax.devices()
+    auto, explicit = (AxisType.Auto,), (AxisType.Explicit,)
+    data = jax.make_mesh((8,), ("data",), axis_types=auto)
+    data_explicit = jax.make_mesh((8,), ("data",), axis_types=explicit)
+    data_model = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto * 2)
+    cases = {
+        "E4": dict(num_members=4, batch=8, mesh=data),
+        "E8": dict(num_members=8, batch=4, mesh=data),
+        "E3": dict(num_members=3, batch=8, mesh=data),
+        "E3_explicit": dict(num_members=3, batch=8, mesh=data_explicit),
+        "E4_data_model": dict(
+            num_members=4, batch=8, mesh=data_model, model_axis="model"),
+    }
+    out, references = {}, {}
+    for name, case in cases.items():
+        size = (case["num_members"], case["batch"])
+        if size not in references:
+            # Unsharded, unannotated, one device's formulation of the op.
+            with one_device_formulation():
+                references[size] = train(*size)
+        out[name] = {"reference": references[size], "sharded": train(**case)}
+    # The control: the one-device formulation, sharded, all-gathers E=3's rows.
+    with one_device_formulation():
+        out["E3_by_member"] = train(3, 8, mesh=data)
+    out["seconds"] = time.perf_counter() - start
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+def _activation_gathers(run):
+    """The all-gathers whose result has the batch's rows as its leading axis."""
+    rows = run["rows"]
+    return [shape for shape in run["all_gathers"] if f"[{rows}," in shape.split("{")[0]]
+
+
+SHARDED_CASES = ["E4", "E8", "E3", "E3_explicit", "E4_data_model"]
+
+
+@pytest.mark.parametrize("name", SHARDED_CASES)
+def test_sharded_training_matches_unsharded(sharded_runs, name):
+    reference = sharded_runs[name]["reference"]["params"]
+    sharded = sharded_runs[name]["sharded"]["params"]
+    assert sorted(sharded) == sorted(reference)
+    assert len(sharded) == 12  # kernel, bias, r, s of three layers
+    for path, value in reference.items():
+        np.testing.assert_allclose(
+            np.asarray(sharded[path]),
+            np.asarray(value),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=path,
+        )
+    # Same losses at every step, and training did train.
+    losses = sharded_runs[name]["sharded"]["losses"]
+    np.testing.assert_allclose(
+        losses, sharded_runs[name]["reference"]["losses"], rtol=1e-5
+    )
+    assert losses[-1] < 0.9 * losses[0]
+
+
+@pytest.mark.parametrize("name", ["E4", "E8", "E3", "E3_explicit"])
+def test_data_parallel_step_gathers_nothing(sharded_runs, name):
+    run = sharded_runs[name]["sharded"]
+    assert _activation_gathers(run) == []
+    # Stricter: with replicated parameters nothing at all is all-gathered
+    # (gradients are all-reduced).
+    assert run["all_gathers"] == []
+
+
+def test_member_reshapes_would_gather_rows(sharded_runs):
+    # The control that shows the gather count can fail: the one-device
+    # formulation splits rows [E*B] into [E, B]; with E=3 on 8 devices the
+    # shards (3 rows each) do not follow member boundaries, so XLA all-gathers
+    # the activations.
+    run = sharded_runs["E3_by_member"]
+    assert _activation_gathers(run), run["all_gathers"]
+
+
+def test_parameters_placed_from_metadata(sharded_runs):
+    specs = sharded_runs["E4_data_model"]["sharded"]["specs"]
+    for layer in range(3):
+        prefix = f"['layers'][{2 * layer}]"
+        assert specs[f"{prefix}['kernel'].value"] == [None, "model"]
+        # The pretrained bias is broadcast to [E, out] behind a replicated
+        # member axis; the fast weights are replicated.
+        assert specs[f"{prefix}['bias'].value"] == [None, "model"]
+        assert all(a is None for a in specs[f"{prefix}['r'].value"])
+        assert all(a is None for a in specs[f"{prefix}['s'].value"])
+    data_specs = sharded_runs["E4"]["sharded"]["specs"]
+    assert all(a is None for spec in data_specs.values() for a in spec)
+
+
+def test_model_parallel_step_never_gathers_the_batch(sharded_runs):
+    # Rows stay split over `data`. What is all-gathered is each data shard's
+    # hidden activations over `model` ([E*B/2, hidden]), since every kernel
+    # here shards its output features and the next layer contracts them whole,
+    # as nnx.Linear with these annotations does.
+    run = sharded_runs["E4_data_model"]["sharded"]
+    assert _activation_gathers(run) == []
+    half = run["rows"] // 2
+    assert all(shape.startswith(f"f32[{half},") for shape in run["all_gathers"])
+
+
+@pytest.mark.parametrize("key", ["out_sharding", "sharding_names", "sharding"])
+def test_member_axis_metadata_prepends_replicated_member_axis(key):
+    metadata = base.member_axis_metadata({key: ("model",), "other": 1})
+    assert metadata == {key: (None, "model"), "other": 1}
+    assert base.without_member_axis_metadata(metadata) == {key: ("model",), "other": 1}
+
+
+def test_partition_specs_of_a_layer():
+    layer = ensembles.BatchEnsembleLinear(
+        3,
+        4,
+        num_members=2,
+        rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": (None, "model"), "eager_sharding": False},
+        bias_metadata={"out_sharding": (None, "model"), "eager_sharding": False},
+    )
+    specs = nnx.get_partition_spec(nnx.state(layer))
+    assert specs["kernel"].get_value() == jax.P(None, "model")
+    assert specs["bias"].get_value() == jax.P(None, "model")
+    assert specs["r"].get_value() == jax.P()
+    assert specs["s"].get_value() == jax.P()
+
+
+def test_from_linear_keeps_the_bias_annotation():
+    linear = nnx.Linear(
+        3,
+        4,
+        rngs=nnx.Rngs(0),
+        kernel_metadata={"out_sharding": (None, "model"), "eager_sharding": False},
+        bias_metadata={"out_sharding": ("model",), "eager_sharding": False},
+    )
+    layer = ensembles.BatchEnsembleLinear.from_linear(
+        linear, num_members=2, rngs=nnx.Rngs(1)
+    )
+    specs = nnx.get_partition_spec(nnx.state(layer))
+    assert specs["kernel"].get_value() == jax.P(None, "model")
+    assert specs["bias"].get_value() == jax.P(None, "model")
+    assert layer.extract_member(1).bias.get_metadata()["out_sharding"] == ("model",)
+
+
+@pytest.mark.parametrize("leading", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_row_formulation_matches_member_formulation(leading, use_bias):
+    # On one device the op runs the member reshapes; the sharded runs use the
+    # row formulation: both must agree, values and gradients.
+    num_members, batch, in_features, out_features = 3, 4, 5, 6
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (num_members * batch, *leading, in_features))
+    kernel = jax.random.normal(keys[1], (in_features, out_features))
+    r = jax.random.normal(keys[2], (num_members, in_features))
+    s = jax.random.normal(keys[3], (num_members, out_features))
+    bias = jax.random.normal(keys[4], (num_members, out_features)) if use_bias else None
+    options = {"precision": "highest", "preferred_element_type": None}
+
+    def loss(formulation, x, kernel, r, s, bias):
+        return jnp.sum(jnp.sin(formulation(x, kernel, r, s, bias, **options)))
+
+    args = (x, kernel, r, s, bias)
+    by_row = dense._dense_by_row(*args, **options)
+    by_member = dense._dense_by_member(*args, **options)
+    assert by_row.shape == (num_members * batch, *leading, out_features)
+    np.testing.assert_allclose(by_row, by_member, rtol=1e-5, atol=1e-5)
+    argnums = (0, 1, 2, 3) + ((4,) if use_bias else ())
+    grads_row = jax.grad(functools.partial(loss, dense._dense_by_row), argnums)(*args)
+    grads_member = jax.grad(functools.partial(loss, dense._dense_by_member), argnums)(
+        *args
+    )
+    for g_row, g_member in zip(grads_row, grads_member, strict=True):
+        np.testing.assert_allclose(g_row, g_member, rtol=1e-4, atol=1e-4)
+
+
+def test_one_device_keeps_member_reshapes():
+    assert jax.device_count() == 1
+    assert dense.rows_may_be_sharded() is False

@@ -16,9 +16,9 @@ from flax.nnx import filterlib
 from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import Ensemble
 from ensembles.initializers import Initializer
-from ensembles.layers.base import EnsembleModule
+from ensembles.layers.base import EnsembleModule, default_fast_weight_init
 from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
-from ensembles.layers.linear import BatchEnsembleLinear, default_fast_weight_init
+from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
 from ensembles.layers.normalization import (
     EnsembleBatchNorm,

@@ -21,8 +21,11 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.nnx.nn import initializers
 
+from ensembles import initializers as fast_initializers
 from ensembles._checks import check_choice
+from ensembles.variables import FastWeight
 
 __all__ = [
     "BatchEnsembleModule",
@@ -32,6 +35,12 @@ __all__ = [
     "shard_output",
     "without_member_axis_metadata",
 ]
+
+#: The defaults of every BatchEnsemble weight layer: Flax's for the kernel and
+#: bias, N(1, 0.5) for the fast weights (uncertainty-baselines' recipe).
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
+default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
 
 #: Metadata keys that hold one sharding name per array axis: Flax 0.12's
 #: ``out_sharding`` and the deprecated names it still accepts (and renames).
@@ -193,6 +202,70 @@ class BatchEnsembleModule(EnsembleModule):
 
     impl: str
     _impls: tuple[str, ...]
+
+    def _init_weights(
+        self,
+        *,
+        kernel_shape: Sequence[int],
+        r_shape: Sequence[int],
+        s_shape: Sequence[int],
+        bias_shape: Sequence[int],
+        use_bias: bool,
+        param_dtype: Any,
+        kernel_init: Callable[..., jax.Array],
+        bias_init: Callable[..., jax.Array],
+        r_init: Callable[..., jax.Array],
+        s_init: Callable[..., jax.Array],
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any],
+        bias_metadata: Mapping[str, Any],
+        fast_weight_metadata: Mapping[str, Any],
+    ) -> None:
+        """Creates ``kernel``, ``r``, ``s`` and ``bias`` (``None`` without bias).
+
+        Each draws its own key from ``rngs.params()``, in that order, and each
+        initializer's result is checked against the shape the layer needs.
+        """
+        self.kernel = init_param(
+            nnx.Param,
+            kernel_init,
+            rngs.params(),
+            kernel_shape,
+            param_dtype,
+            kernel_metadata,
+            "kernel_init",
+        )
+        self.r = init_param(
+            FastWeight,
+            r_init,
+            rngs.params(),
+            r_shape,
+            param_dtype,
+            fast_weight_metadata,
+            "r_init",
+        )
+        self.s = init_param(
+            FastWeight,
+            s_init,
+            rngs.params(),
+            s_shape,
+            param_dtype,
+            fast_weight_metadata,
+            "s_init",
+        )
+        self.bias: nnx.Param[jax.Array] | None
+        if use_bias:
+            self.bias = init_param(
+                nnx.Param,
+                bias_init,
+                rngs.params(),
+                bias_shape,
+                param_dtype,
+                bias_metadata,
+                "bias_init",
+            )
+        else:
+            self.bias = nnx.data(None)
 
     def set_view(self, member: int | None = None, impl: str | None = None):
         """Class method used by ``nnx.view``.

@@ -9,29 +9,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles import initializers as fast_initializers
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_member,
-    init_param,
+    default_bias_init,
+    default_fast_weight_init,
+    default_kernel_init,
     member_axis_metadata,
     plain_layer,
     shard_output,
     without_member_axis_metadata,
 )
 from ensembles.ops import dense
-from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinear"]
-
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
-default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
 
 
 class BatchEnsembleLinear(BatchEnsembleModule):
@@ -121,46 +117,22 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         num_members = check_num_members(num_members)
         impl = dense.check_impl(impl)
 
-        self.kernel = init_param(
-            nnx.Param,
-            kernel_init,
-            rngs.params(),
-            (in_features, out_features),
-            param_dtype,
-            kernel_metadata,
-            "kernel_init",
+        self._init_weights(
+            kernel_shape=(in_features, out_features),
+            r_shape=(num_members, in_features),
+            s_shape=(num_members, out_features),
+            bias_shape=(num_members, out_features),
+            use_bias=use_bias,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            rngs=rngs,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
+            fast_weight_metadata=fast_weight_metadata,
         )
-        self.r = init_param(
-            FastWeight,
-            r_init,
-            rngs.params(),
-            (num_members, in_features),
-            param_dtype,
-            fast_weight_metadata,
-            "r_init",
-        )
-        self.s = init_param(
-            FastWeight,
-            s_init,
-            rngs.params(),
-            (num_members, out_features),
-            param_dtype,
-            fast_weight_metadata,
-            "s_init",
-        )
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = init_param(
-                nnx.Param,
-                bias_init,
-                rngs.params(),
-                (num_members, out_features),
-                param_dtype,
-                bias_metadata,
-                "bias_init",
-            )
-        else:
-            self.bias = nnx.data(None)
 
         self.in_features = in_features
         self.out_features = out_features

@@ -12,29 +12,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core.frozen_dict import FrozenDict
-from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles import initializers as fast_initializers
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_member,
-    init_param,
+    default_bias_init,
+    default_fast_weight_init,
+    default_kernel_init,
     member_axis_metadata,
     plain_layer,
     shard_output,
     without_member_axis_metadata,
 )
 from ensembles.ops import dense, dense_general
-from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinearGeneral"]
-
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
-default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
 
 
 def _features(value: Any, name: str) -> tuple[int, ...]:
@@ -232,46 +228,22 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         bias_shape = (num_members, *batch_shape, *out_features)
         flat_bias = (num_members, math.prod(bias_shape[1:]))
 
-        self.kernel = init_param(
-            nnx.Param,
-            _flat_initializer(kernel_init, flat_kernel, "kernel_init"),
-            rngs.params(),
-            kernel_shape,
-            param_dtype,
-            kernel_metadata,
-            "kernel_init",
+        self._init_weights(
+            kernel_shape=kernel_shape,
+            r_shape=(num_members, *in_features),
+            s_shape=(num_members, *out_features),
+            bias_shape=bias_shape,
+            use_bias=use_bias,
+            param_dtype=param_dtype,
+            kernel_init=_flat_initializer(kernel_init, flat_kernel, "kernel_init"),
+            bias_init=_flat_initializer(bias_init, flat_bias, "bias_init"),
+            r_init=r_init,
+            s_init=s_init,
+            rngs=rngs,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
+            fast_weight_metadata=fast_weight_metadata,
         )
-        self.r = init_param(
-            FastWeight,
-            r_init,
-            rngs.params(),
-            (num_members, *in_features),
-            param_dtype,
-            fast_weight_metadata,
-            "r_init",
-        )
-        self.s = init_param(
-            FastWeight,
-            s_init,
-            rngs.params(),
-            (num_members, *out_features),
-            param_dtype,
-            fast_weight_metadata,
-            "s_init",
-        )
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = init_param(
-                nnx.Param,
-                _flat_initializer(bias_init, flat_bias, "bias_init"),
-                rngs.params(),
-                bias_shape,
-                param_dtype,
-                bias_metadata,
-                "bias_init",
-            )
-        else:
-            self.bias = nnx.data(None)
 
         self.in_features = in_features
         self.out_features = out_features

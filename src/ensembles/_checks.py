@@ -49,3 +49,25 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
     return value
+
+
+def check_member_params(
+    r: Any,
+    s: Any,
+    bias: Any,
+    *,
+    r_shape: tuple[int, ...],
+    s_shape: tuple[int, ...],
+    bias_shape: tuple[int, ...],
+) -> None:
+    """Checks the shapes of the fast weights and (unless ``None``) the bias."""
+    for name, array, expected in (
+        ("r", r, r_shape),
+        ("s", s, s_shape),
+        ("bias", bias, bias_shape),
+    ):
+        if array is not None and tuple(array.shape) != tuple(expected):
+            raise ValueError(
+                f"`{name}` must have shape [num_members, features] = "
+                f"{tuple(expected)}, got {tuple(array.shape)}."
+            )

@@ -390,7 +390,10 @@ class TestErrors:
 
     def test_op_checks_parameter_shapes(self):
         x = random_input(0, (4, 3))
-        with pytest.raises(ValueError, match=r"`bias` must have shape \(2, 5\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"`bias` must have shape \[num_members, features\] = \(2, 5\)",
+        ):
             batch_ensemble_dense_general(
                 x,
                 jnp.ones((3, 5)),

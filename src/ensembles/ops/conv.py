@@ -38,6 +38,7 @@ from jax import lax
 from ensembles._checks import (
     check_choice,
     check_member_batch,
+    check_member_params,
     check_num_members,
     check_positive_int,
 )
@@ -212,15 +213,14 @@ def _check_shapes(
             f"inputs of shape {inputs.shape}."
         )
     check_member_batch(inputs.shape[0], num_members)
-    expected = {"r": (num_members, in_features), "s": (num_members, out_features)}
-    if bias is not None:
-        expected["bias"] = (num_members, out_features)
-    for name, array in (("r", r), ("s", s), ("bias", bias)):
-        if name in expected and tuple(array.shape) != expected[name]:
-            raise ValueError(
-                f"`{name}` must have shape [num_members, features] = "
-                f"{expected[name]}, got {tuple(array.shape)}."
-            )
+    check_member_params(
+        r,
+        s,
+        bias,
+        r_shape=(num_members, in_features),
+        s_shape=(num_members, out_features),
+        bias_shape=(num_members, out_features),
+    )
     return rank
 
 

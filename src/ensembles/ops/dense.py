@@ -30,7 +30,12 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from ensembles._checks import check_choice, check_member_batch, check_num_members
+from ensembles._checks import (
+    check_choice,
+    check_member_batch,
+    check_member_params,
+    check_num_members,
+)
 from ensembles.ops import pallas_dense
 
 __all__ = [
@@ -135,18 +140,14 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             f"{inputs.shape}."
         )
     check_member_batch(inputs.shape[0], num_members)
-    expected = {
-        "r": (num_members, in_features),
-        "s": (num_members, out_features),
-    }
-    if bias is not None:
-        expected["bias"] = (num_members, out_features)
-    for name, array in (("r", r), ("s", s), ("bias", bias)):
-        if name in expected and tuple(array.shape) != expected[name]:
-            raise ValueError(
-                f"`{name}` must have shape [num_members, features] = "
-                f"{expected[name]}, got {tuple(array.shape)}."
-            )
+    check_member_params(
+        r,
+        s,
+        bias,
+        r_shape=(num_members, in_features),
+        s_shape=(num_members, out_features),
+        bias_shape=(num_members, out_features),
+    )
 
 
 def _dense_by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):

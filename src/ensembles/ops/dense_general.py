@@ -27,7 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_member_batch, check_num_members
+from ensembles._checks import (
+    check_member_batch,
+    check_member_params,
+    check_num_members,
+)
 from ensembles.ops import dense
 
 __all__ = ["batch_ensemble_dense_general", "normalize_axes"]
@@ -128,14 +132,14 @@ def _check_shapes(inputs, kernel, r, s, bias, num_members, axis, axes, num_batch
                 f"batch_axis[{a}]={size}: the batch axes index each member's rows "
                 f"(inputs of shape {inputs.shape}, num_members={num_members})."
             )
-    expected = {"r": (num_members, *in_features), "s": (num_members, *out_features)}
-    if bias is not None:
-        expected["bias"] = (num_members, *batch_shape, *out_features)
-    for name, array in (("r", r), ("s", s), ("bias", bias)):
-        if name in expected and tuple(array.shape) != expected[name]:
-            raise ValueError(
-                f"`{name}` must have shape {expected[name]}, got {tuple(array.shape)}."
-            )
+    check_member_params(
+        r,
+        s,
+        bias,
+        r_shape=(num_members, *in_features),
+        s_shape=(num_members, *out_features),
+        bias_shape=(num_members, *batch_shape, *out_features),
+    )
 
 
 def _via_dense(inputs, kernel, r, s, bias, *, axes, num_members, impl, **kwargs):

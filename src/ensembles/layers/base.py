@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
@@ -32,6 +33,7 @@ __all__ = [
     "EnsembleModule",
     "check_member",
     "member_axis_metadata",
+    "member_copies",
     "shard_output",
     "without_member_axis_metadata",
 ]
@@ -78,6 +80,27 @@ def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
         if out.get(key) is not None:
             out[key] = (None, *out[key])
     return out
+
+
+def member_copies(
+    variable: nnx.Variable | None,
+) -> tuple[Callable[..., jax.Array] | None, dict[str, Any]]:
+    """Initializer and metadata giving every member a copy of a pretrained Variable.
+
+    What ``from_*`` uses to broadcast a pretrained bias (or norm scale) to
+    ``[E, ...]``: the initializer broadcasts the value (reshaped to the
+    per-member shape, which may be flattened) and the metadata gains a member
+    axis (:func:`member_axis_metadata`). ``None`` gives ``(None, {})``.
+    """
+    if variable is None:
+        return None, {}
+    value = variable[...]
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        del key, dtype
+        return jnp.broadcast_to(jnp.reshape(value, tuple(shape)[1:]), tuple(shape))
+
+    return init, member_axis_metadata(variable.get_metadata())
 
 
 def without_member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ensembles.layers.base import (
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_axis_metadata,
+    member_copies,
     plain_layer,
     shard_output,
     without_member_axis_metadata,
@@ -81,16 +81,6 @@ class _ConvBase(BatchEnsembleModule):
         # eval_shape leaves the plain layer's mask abstract: set the real one.
         params["mask"] = self.mask
         return params
-
-
-def _bias_init_from(layer) -> tuple[Initializer, dict[str, Any]]:
-    if layer.bias is None:
-        return default_bias_init, {}
-    bias = layer.bias[...]
-    return (
-        lambda key, shape, dtype: jnp.broadcast_to(bias, shape),
-        member_axis_metadata(layer.bias.get_metadata()),
-    )
 
 
 class BatchEnsembleConv(_ConvBase):
@@ -312,7 +302,7 @@ class BatchEnsembleConv(_ConvBase):
                 f"`conv_general_dilated`."
             )
         kernel = layer.kernel[...]
-        bias_init, bias_metadata = _bias_init_from(layer)
+        bias_init, bias_metadata = member_copies(layer.bias)
         new = cls(
             layer.in_features,
             layer.out_features,
@@ -625,7 +615,7 @@ class BatchEnsembleConvTranspose(_ConvBase):
                 f"`layer` must be an `nnx.ConvTranspose`, got {type(layer).__name__}."
             )
         kernel = layer.kernel[...]
-        bias_init, bias_metadata = _bias_init_from(layer)
+        bias_init, bias_metadata = member_copies(layer.bias)
         new = cls(
             layer.in_features,
             layer.out_features,

@@ -20,7 +20,7 @@ from ensembles.layers.base import (
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_axis_metadata,
+    member_copies,
     plain_layer,
     shard_output,
     without_member_axis_metadata,
@@ -211,17 +211,17 @@ class BatchEnsembleLinear(BatchEnsembleModule):
                 f"Convert a layer built with the default `dot_general`."
             )
         kernel = linear.kernel[...]
-        bias = None if linear.bias is None else linear.bias[...]
+        bias_init, bias_metadata = member_copies(linear.bias)
         layer = cls(
             linear.in_features,
             linear.out_features,
             num_members=num_members,
-            use_bias=bias is not None,
+            use_bias=linear.bias is not None,
             dtype=linear.dtype,
             param_dtype=linear.param_dtype,
             precision=linear.precision,
             kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=lambda key, shape, dtype: jnp.broadcast_to(bias, shape),
+            bias_init=bias_init,
             r_init=r_init,
             s_init=s_init,
             promote_dtype=linear.promote_dtype,
@@ -229,9 +229,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             impl=impl,
             rngs=rngs,
             kernel_metadata=linear.kernel.get_metadata(),
-            bias_metadata=(
-                {} if bias is None else member_axis_metadata(linear.bias.get_metadata())
-            ),
+            bias_metadata=bias_metadata,
         )
         if share_kernel:
             layer.kernel = linear.kernel

@@ -23,7 +23,7 @@ from ensembles.layers.base import (
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_axis_metadata,
+    member_copies,
     plain_layer,
     shard_output,
     without_member_axis_metadata,
@@ -323,20 +323,18 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                     f"Convert a layer built with the default `{name}`."
                 )
         kernel = layer.kernel[...]
-        bias = None if layer.bias is None else layer.bias[...]
+        bias_init, bias_metadata = member_copies(layer.bias)
         new = cls(
             layer.in_features,
             layer.out_features,
             num_members=num_members,
             axis=layer.axis,
             batch_axis=layer.batch_axis,
-            use_bias=bias is not None,
+            use_bias=layer.bias is not None,
             dtype=layer.dtype,
             param_dtype=layer.param_dtype,
             kernel_init=lambda key, shape, dtype: jnp.reshape(kernel, shape),
-            bias_init=lambda key, shape, dtype: jnp.broadcast_to(
-                jnp.reshape(bias, (1, -1)), shape
-            ),
+            bias_init=bias_init,
             r_init=r_init,
             s_init=s_init,
             precision=layer.precision,
@@ -345,9 +343,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             impl=impl,
             rngs=rngs,
             kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=(
-                {} if bias is None else member_axis_metadata(layer.bias.get_metadata())
-            ),
+            bias_metadata=bias_metadata,
         )
         if share_kernel:
             new.kernel = layer.kernel

@@ -26,7 +26,7 @@ from ensembles.layers.base import (
     EnsembleModule,
     check_member,
     init_param,
-    member_axis_metadata,
+    member_copies,
     plain_layer,
     without_member_axis_metadata,
 )
@@ -36,11 +36,6 @@ __all__ = ["EnsembleBatchNorm", "EnsembleLayerNorm", "EnsembleRMSNorm"]
 
 default_bias_init = initializers.zeros_init()
 default_scale_init = initializers.ones_init()
-
-
-def _broadcast_init(value: jax.Array) -> Initializer:
-    """An initializer giving every member a copy of ``value``."""
-    return lambda key, shape, dtype: jnp.broadcast_to(value, shape)
 
 
 def _param(
@@ -213,6 +208,8 @@ class EnsembleLayerNorm(EnsembleModule):
                 f"`norm` must be an `nnx.LayerNorm`, got {type(norm).__name__}."
             )
         scale, bias = norm.scale, norm.bias
+        bias_init, bias_metadata = member_copies(bias)
+        scale_init, scale_metadata = member_copies(scale)
         return cls(
             norm.num_features,
             num_members=num_members,
@@ -221,8 +218,8 @@ class EnsembleLayerNorm(EnsembleModule):
             param_dtype=norm.param_dtype,
             use_bias=bias is not None,
             use_scale=scale is not None,
-            bias_init=None if bias is None else _broadcast_init(bias[...]),
-            scale_init=None if scale is None else _broadcast_init(scale[...]),
+            bias_init=bias_init,
+            scale_init=scale_init,
             reduction_axes=norm.reduction_axes,
             feature_axes=norm.feature_axes,
             axis_name=norm.axis_name,
@@ -230,12 +227,8 @@ class EnsembleLayerNorm(EnsembleModule):
             use_fast_variance=norm.use_fast_variance,
             promote_dtype=norm.promote_dtype,
             rngs=nnx.Rngs(0),
-            bias_metadata=(
-                {} if bias is None else member_axis_metadata(bias.get_metadata())
-            ),
-            scale_metadata=(
-                {} if scale is None else member_axis_metadata(scale.get_metadata())
-            ),
+            bias_metadata=bias_metadata,
+            scale_metadata=scale_metadata,
         )
 
     def extract_member(self, member: int) -> nnx.LayerNorm:
@@ -437,6 +430,7 @@ class EnsembleRMSNorm(EnsembleModule):
                 f"`norm` must be an `nnx.RMSNorm`, got {type(norm).__name__}."
             )
         scale = norm.scale
+        scale_init, scale_metadata = member_copies(scale)
         return cls(
             norm.num_features,
             num_members=num_members,
@@ -444,7 +438,7 @@ class EnsembleRMSNorm(EnsembleModule):
             dtype=norm.dtype,
             param_dtype=norm.param_dtype,
             use_scale=scale is not None,
-            scale_init=None if scale is None else _broadcast_init(scale[...]),
+            scale_init=scale_init,
             reduction_axes=norm.reduction_axes,
             feature_axes=norm.feature_axes,
             axis_name=norm.axis_name,
@@ -452,9 +446,7 @@ class EnsembleRMSNorm(EnsembleModule):
             use_fast_variance=norm.use_fast_variance,
             promote_dtype=norm.promote_dtype,
             rngs=nnx.Rngs(0),
-            scale_metadata=(
-                {} if scale is None else member_axis_metadata(scale.get_metadata())
-            ),
+            scale_metadata=scale_metadata,
         )
 
     def extract_member(self, member: int) -> nnx.RMSNorm:
@@ -698,6 +690,8 @@ class EnsembleBatchNorm(EnsembleModule):
                 f"`norm` must be an `nnx.BatchNorm`, got {type(norm).__name__}."
             )
         scale, bias = norm.scale, norm.bias
+        bias_init, bias_metadata = member_copies(bias)
+        scale_init, scale_metadata = member_copies(scale)
         ensemble = cls(
             norm.num_features,
             num_members=num_members,
@@ -709,19 +703,15 @@ class EnsembleBatchNorm(EnsembleModule):
             param_dtype=norm.param_dtype,
             use_bias=bias is not None,
             use_scale=scale is not None,
-            bias_init=None if bias is None else _broadcast_init(bias[...]),
-            scale_init=None if scale is None else _broadcast_init(scale[...]),
+            bias_init=bias_init,
+            scale_init=scale_init,
             axis_name=norm.axis_name,
             axis_index_groups=norm.axis_index_groups,
             use_fast_variance=norm.use_fast_variance,
             promote_dtype=norm.promote_dtype,
             rngs=nnx.Rngs(0),
-            bias_metadata=(
-                {} if bias is None else member_axis_metadata(bias.get_metadata())
-            ),
-            scale_metadata=(
-                {} if scale is None else member_axis_metadata(scale.get_metadata())
-            ),
+            bias_metadata=bias_metadata,
+            scale_metadata=scale_metadata,
         )
         shape = ensemble.mean.shape
         ensemble.mean[...] = jnp.broadcast_to(norm.mean[...], shape)

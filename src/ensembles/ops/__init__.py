@@ -1,15 +1,16 @@
 """Functional BatchEnsemble kernels; they know nothing of ``nnx``."""
 
 from ensembles.ops.conv import batch_ensemble_conv, batch_ensemble_conv_transpose
-from ensembles.ops.dense import IMPLS, batch_ensemble_dense
+from ensembles.ops.dense import batch_ensemble_dense
 from ensembles.ops.dense_general import batch_ensemble_dense_general
+from ensembles.ops.dispatch import IMPLS, resolve_impl
 from ensembles.ops.normalization import (
     ensemble_batch_norm,
     ensemble_batch_statistics,
     ensemble_layer_norm,
     ensemble_rms_norm,
 )
-from ensembles.ops.pallas_dense import BlockSizes
+from ensembles.ops.pallas import BlockSizes
 
 __all__ = [
     "IMPLS",
@@ -22,4 +23,5 @@ __all__ = [
     "ensemble_batch_statistics",
     "ensemble_layer_norm",
     "ensemble_rms_norm",
+    "resolve_impl",
 ]

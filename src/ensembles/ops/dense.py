@@ -16,7 +16,8 @@ features sharded as the user placed them, for any E (see
 :func:`rows_may_be_sharded` and ``docs/scaling_out.md``). Both are the
 reference the tests compare every other implementation against. The
 ``"pallas"`` implementation is the fused GPU/TPU kernel of
-:mod:`ensembles.ops.pallas_dense`.
+:mod:`ensembles.ops.pallas`; which one ``"auto"`` runs is decided by the
+measured table of :mod:`ensembles.ops.dispatch`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from ensembles._checks import (
-    check_choice,
     check_member_batch,
     check_member_params,
     check_num_members,
 )
-from ensembles.ops import pallas_dense
+from ensembles.ops import pallas
+from ensembles.ops.dispatch import IMPLS, check_impl, resolve_impl
 
 __all__ = [
     "IMPLS",
@@ -45,79 +46,6 @@ __all__ = [
     "resolve_impl",
     "rows_may_be_sharded",
 ]
-
-#: The implementations ``batch_ensemble_dense`` accepts as ``impl``.
-IMPLS: tuple[str, ...] = ("auto", "xla", "pallas")
-
-
-def check_impl(impl: str) -> str:
-    """Checks that ``impl`` names an implementation of the dense op.
-
-    Args:
-      impl: one of :data:`IMPLS`.
-
-    Returns:
-      ``impl`` unchanged.
-
-    Raises:
-      ValueError: if ``impl`` is not one of :data:`IMPLS`.
-
-    >>> check_impl("xla")
-    'xla'
-    """
-    return check_choice(impl, "impl", IMPLS)
-
-
-def resolve_impl(
-    impl: str,
-    *,
-    backend: str | None = None,
-    shape: tuple[int, int, int] | None = None,
-    dtype: jnp.dtype | None = None,
-) -> str:
-    """Resolves ``"auto"`` to the concrete implementation used on a backend.
-
-    ``"auto"`` is ``"xla"`` on CPU (where Pallas only interprets) and
-    ``"pallas"`` on GPU and TPU when the problem suits the fused kernel (see
-    :func:`ensembles.ops.pallas_dense.suits_kernel`), else ``"xla"``. The choice
-    is made when tracing, from ``jax.default_backend()``; to lower ahead of time
-    for another platform, name ``impl="pallas"`` explicitly.
-
-    Args:
-      impl: one of :data:`IMPLS`.
-      backend: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (default:
-        ``jax.default_backend()``).
-      shape: ``(rows_per_member, in_features, out_features)`` of the problem;
-        ``"auto"`` picks ``"pallas"`` only when it and ``dtype`` are given.
-      dtype: the operands' dtype.
-
-    Returns:
-      The concrete implementation name.
-
-    >>> import jax.numpy as jnp
-    >>> resolve_impl("auto")                          # on this CPU
-    'xla'
-    >>> resolve_impl("auto", backend="gpu", shape=(256, 1024, 1024),
-    ...              dtype=jnp.bfloat16)
-    'pallas'
-    >>> resolve_impl("auto", backend="tpu", shape=(256, 1000, 1024),
-    ...              dtype=jnp.bfloat16)               # 1000 is not lane-aligned
-    'xla'
-    >>> resolve_impl("pallas")
-    'pallas'
-    """
-    check_impl(impl)
-    if impl != "auto":
-        return impl
-    backend = jax.default_backend() if backend is None else backend
-    if (
-        backend in ("gpu", "tpu")
-        and shape is not None
-        and dtype is not None
-        and pallas_dense.suits_kernel(*shape, dtype)
-    ):
-        return "pallas"
-    return "xla"
 
 
 def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
@@ -282,7 +210,7 @@ def _dense_pallas(
     interpret,
     block_sizes,
 ):
-    return pallas_dense.fused_dense(
+    return pallas.fused_dense(
         inputs,
         kernel,
         r,
@@ -301,9 +229,7 @@ _IMPLEMENTATIONS = {"xla": _dense_xla, "pallas": _dense_pallas}
 def _kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type):
     """The operands' dtype if the Pallas kernel accepts this combination."""
     try:
-        return pallas_dense.check_dtypes(
-            inputs, kernel, r, s, bias, preferred_element_type
-        )
+        return pallas.check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
     except TypeError:
         return None  # "auto" then keeps the jnp formulation
 
@@ -316,7 +242,7 @@ def _check_pallas_options(impl: str, interpret: Any, block_sizes: Any) -> str:
             f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} of "
             f"type {type(interpret).__name__}."
         )
-    if block_sizes is not None and not isinstance(block_sizes, pallas_dense.BlockSizes):
+    if block_sizes is not None and not isinstance(block_sizes, pallas.BlockSizes):
         raise TypeError(
             f"`block_sizes` must be an `ensembles.ops.BlockSizes` or None, got "
             f"{block_sizes!r} of type {type(block_sizes).__name__}."
@@ -344,7 +270,7 @@ def batch_ensemble_dense(
     preferred_element_type: jnp.dtype | None = None,
     impl: str = "auto",
     interpret: bool | pltpu.InterpretParams = False,
-    block_sizes: pallas_dense.BlockSizes | None = None,
+    block_sizes: pallas.BlockSizes | None = None,
 ) -> jax.Array:
     """Applies a BatchEnsemble dense layer to a member-major batch.
 
@@ -356,7 +282,7 @@ def batch_ensemble_dense(
     The op computes in the dtypes it is given (the layers promote their
     parameters and inputs first, as Flax does).
 
-    ``impl="pallas"`` runs the fused kernel (:mod:`ensembles.ops.pallas_dense`):
+    ``impl="pallas"`` runs the fused kernel (:mod:`ensembles.ops.pallas`):
     Triton on GPU, Mosaic on TPU, chosen when lowering; it applies ``* r`` as
     it loads input tiles and ``* s + bias`` before it stores output tiles, and
     has fused backward kernels. On CPU it can only run in Pallas' interpreter
@@ -390,8 +316,9 @@ def batch_ensemble_dense(
       preferred_element_type: accumulation/output dtype of the matmul, as for
         ``jax.lax.dot_general``.
       impl: ``"xla"`` (the ``jnp`` formulation), ``"pallas"`` (the fused
-        Pallas kernel) or ``"auto"``: ``"xla"`` on CPU, ``"pallas"`` on GPU/TPU
-        when the shape and dtype suit the kernel (see :func:`resolve_impl`).
+        Pallas kernel) or ``"auto"``: what the measured table of
+        :mod:`ensembles.ops.dispatch` picks for the backend, shape and dtype
+        (today ``"xla"`` everywhere; see :func:`resolve_impl`).
       interpret: Pallas only. ``True`` runs the kernel in Pallas' interpreter
         on any backend (and selects ``"pallas"`` under ``"auto"``); a
         ``jax.experimental.pallas.tpu.InterpretParams`` runs the TPU kernel in
@@ -424,7 +351,7 @@ def batch_ensemble_dense(
     options = {}
     if impl == "pallas":
         options = {"interpret": interpret, "block_sizes": block_sizes}
-        pallas_dense.check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
+        pallas.check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
     return _IMPLEMENTATIONS[impl](
         inputs,
         kernel,

@@ -1,0 +1,47 @@
+"""The fused Pallas BatchEnsemble dense kernel (``impl="pallas"``).
+
+The ``jnp`` formulation (``impl="xla"``) moves the activations through memory
+three times: to scale them by ``r``, through the matmul, and to scale the
+result by ``s`` and add the bias. The kernels here apply ``* r`` to each input
+tile as they load it and ``* s + bias`` to each output tile before they store
+it::
+
+    y[k*B + b] = ((x[k*B + b] * r[k]) @ kernel) * s[k] + bias[k]
+
+The member-major ``[E*B, ..., in]`` batch is viewed (for free) as ``[E, R, in]``
+with ``R`` rows per member, and every grid runs over (member, row block, ...),
+so a tile never straddles two members.
+
+Modules, one concern each:
+
+* :mod:`.blocks`: :class:`BlockSizes`, the fit of blocks to a problem, the
+  zero padding that makes every block tile its array, and the one
+  ``BlockSpec`` constructor, which rejects a partial block.
+* :mod:`.common`: the static kernel configuration and the float32-accumulating
+  matmul the families share.
+* :mod:`.triton`: the GPU family (Triton), interpreted on CPU.
+* :mod:`.mosaic_tpu`: the TPU family (Mosaic).
+* :mod:`.fused`: dtype checks, the per-platform family choice, padding and
+  slicing, and the ``jax.custom_vjp``.
+
+Whether ``impl="auto"`` runs these kernels is decided from measurements in
+:mod:`ensembles.ops.dispatch`, not here. A new family (e.g. Mosaic GPU for
+Hopper) is a new module with ``forward`` and ``backward`` on padded operands,
+registered in :mod:`.fused`.
+"""
+
+from ensembles.ops.pallas.blocks import BlockSizes
+from ensembles.ops.pallas.fused import (
+    SUPPORTED_DTYPES,
+    check_dtypes,
+    dense_reference,
+    fused_dense,
+)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "BlockSizes",
+    "check_dtypes",
+    "dense_reference",
+    "fused_dense",
+]

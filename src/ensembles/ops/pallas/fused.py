@@ -1,0 +1,349 @@
+"""The fused op: dtype checks, padding, per-platform family choice, custom VJP.
+
+``lax.platform_dependent`` picks, when lowering, one kernel family:
+
+* ``cuda``: :mod:`.triton`, compiled.
+* ``tpu``: :mod:`.mosaic_tpu`, compiled.
+* ``cpu``: Pallas has no compiled CPU backend, so :mod:`.triton` runs in
+  Pallas' interpreter (slow; for tests and debugging).
+* any other platform (e.g. ROCm, never run): the ``jnp`` formulation
+  :func:`dense_reference`.
+
+Every family runs on operands zero-padded to its :class:`~.blocks.Tiling`
+(:func:`_pad_operands`), and the results are sliced back, so no kernel touches memory
+outside an array. The VJP keeps only the operands ``(x, kernel, r, s)`` as
+residuals: one kernel computes ``dx`` and per-row-block partials of ``dr``,
+another ``dkernel`` and per-in-block partials of ``ds``; ``dbias`` is a sum of
+the cotangent over each member's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ensembles.ops.pallas import mosaic_tpu, triton
+from ensembles.ops.pallas.blocks import BlockSizes, pad_to, tiling
+from ensembles.ops.pallas.common import KernelConfig
+
+__all__ = ["SUPPORTED_DTYPES", "check_dtypes", "dense_reference", "fused_dense"]
+
+#: The dtypes the fused kernel computes in (inputs and parameters alike).
+SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.bfloat16),
+)
+
+_FAMILIES = {"gpu": triton, "tpu": mosaic_tpu}
+
+
+def check_dtypes(inputs, kernel, r, s, bias=None, preferred_element_type=None):
+    """Checks that the fused kernel supports the dtypes of its operands.
+
+    Args:
+      inputs: the activations.
+      kernel: the shared kernel.
+      r: the input fast weights.
+      s: the output fast weights.
+      bias: the per-member bias, or ``None``.
+      preferred_element_type: the requested output dtype, or ``None``.
+
+    Returns:
+      The common dtype of the operands.
+
+    Raises:
+      TypeError: if the operands do not share one dtype, if that dtype is not in
+        :data:`SUPPORTED_DTYPES`, or if ``preferred_element_type`` is neither
+        ``None``, float32 nor the operands' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((2, 3), jnp.bfloat16)
+    >>> check_dtypes(x, x, x, x)
+    dtype(bfloat16)
+    """
+    named = {"inputs": inputs, "kernel": kernel, "r": r, "s": s}
+    if bias is not None:
+        named["bias"] = bias
+    dtypes = {name: jnp.dtype(array.dtype) for name, array in named.items()}
+    dtype = dtypes["inputs"]
+    if len(set(dtypes.values())) > 1:
+        shown = ", ".join(f"{name}={d.name}" for name, d in dtypes.items())
+        raise TypeError(
+            f'impl="pallas" needs inputs, kernel, r, s and bias of one dtype, got '
+            f"{shown}. Cast them to one dtype first (the layers do this through "
+            f"`promote_dtype`)."
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f'impl="pallas" supports dtypes '
+            f"{[d.name for d in SUPPORTED_DTYPES]}, got {dtype.name}. Cast to "
+            f'one of them or use impl="xla".'
+        )
+    if preferred_element_type is not None:
+        preferred = jnp.dtype(preferred_element_type)
+        if preferred not in (jnp.dtype(jnp.float32), dtype):
+            raise TypeError(
+                f'impl="pallas" supports `preferred_element_type` None, float32 or '
+                f"the operands' dtype ({dtype.name}), got {preferred.name}."
+            )
+    return dtype
+
+
+def dense_reference(x3, kernel, r, s, bias=None, *, precision=None, out_dtype=None):
+    """The ``jnp`` formulation on the ``[E, R, in]`` member view.
+
+    It is what the kernels compute, written plainly; it serves platforms without
+    a kernel and the VJP's fallback, and documents the math next to the kernels.
+
+    Args:
+      x3: ``[E, R, in]`` inputs, member ``k``'s rows in ``x3[k]``.
+      kernel: ``[in, out]`` shared kernel.
+      r: ``[E, in]`` input fast weights.
+      s: ``[E, out]`` output fast weights.
+      bias: ``[E, out]`` bias or ``None``.
+      precision: matmul precision.
+      out_dtype: output dtype (default: ``x3``'s).
+
+    Returns:
+      The ``[E, R, out]`` outputs.
+
+    >>> import jax.numpy as jnp
+    >>> dense_reference(jnp.ones((2, 3, 4)), jnp.ones((4, 5)), jnp.ones((2, 4)),
+    ...                 2 * jnp.ones((2, 5)))[0, 0]
+    Array([8., 8., 8., 8., 8.], dtype=float32)
+    """
+    out_dtype = x3.dtype if out_dtype is None else out_dtype
+    scaled = (x3 * r[:, None, :]).reshape(-1, x3.shape[-1])
+    y = lax.dot_general(
+        scaled,
+        kernel,
+        (((1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    ).reshape(*x3.shape[:-1], kernel.shape[1])
+    y = y * s[:, None, :].astype(jnp.float32)
+    if bias is not None:
+        y = y + bias[:, None, :].astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call of the fused op."""
+
+    blocks: BlockSizes
+    precision: Any
+    out_dtype: Any
+    # False: per-platform kernels; True: the "gpu" family in the generic
+    # interpreter; a pltpu.InterpretParams: the "tpu" family in the simulator.
+    interpret: Any
+    # None: chosen per platform; "gpu" / "tpu": interpret that family (tests
+    # run both families on CPU this way).
+    family: str | None
+    has_bias: bool
+
+    def kernel_config(self, interpret) -> KernelConfig:
+        return KernelConfig(self.precision, self.out_dtype, interpret)
+
+
+def _tiling(family: str, x3, w, config: _Config):
+    return tiling(
+        family,
+        rows=x3.shape[1],
+        in_features=x3.shape[2],
+        out_features=w.shape[1],
+        blocks=config.blocks,
+    )
+
+
+def _pad_operands(t, x3, w, r, s):
+    """The operands zero-padded to the tiling ``t``; ``r``, ``s`` as ``[E, 1, D]``."""
+    num_members = x3.shape[0]
+    return (
+        pad_to(x3, (num_members, t.rows, t.in_features)),
+        pad_to(w, (t.in_features, t.out_features)),
+        pad_to(r[:, None, :], (num_members, 1, t.in_features)),
+        pad_to(s[:, None, :], (num_members, 1, t.out_features)),
+    )
+
+
+def _family_forward(family, x3, w, r, s, bias, config, interpret):
+    num_members, rows = x3.shape[:2]
+    out_features = w.shape[1]
+    t = _tiling(family, x3, w, config)
+    bias3 = None
+    if bias is not None:
+        bias3 = pad_to(bias[:, None, :], (num_members, 1, t.out_features))
+    y3 = _FAMILIES[family].forward(
+        *_pad_operands(t, x3, w, r, s), bias3, t, config.kernel_config(interpret)
+    )
+    return y3[:, :rows, :out_features]
+
+
+def _family_backward(family, x3, w, r, s, g3, config, interpret):
+    num_members, rows, in_features = x3.shape
+    out_features = w.shape[1]
+    t = _tiling(family, x3, w, config)
+    g3 = pad_to(g3, (num_members, t.rows, t.out_features))
+    dx3, dw, dr, ds = _FAMILIES[family].backward(
+        *_pad_operands(t, x3, w, r, s), g3, t, config.kernel_config(interpret)
+    )
+    return (
+        dx3[:, :rows, :in_features],
+        dw[:in_features, :out_features],
+        dr[:, :in_features],
+        ds[:, :out_features],
+    )
+
+
+def _reference_forward(x3, w, r, s, bias, config):
+    return dense_reference(
+        x3, w, r, s, bias, precision=config.precision, out_dtype=config.out_dtype
+    )
+
+
+def _reference_backward(x3, w, r, s, g3, config):
+    def forward(x3, w, r, s):
+        return _reference_forward(x3, w, r, s, None, config)
+
+    _, vjp = jax.vjp(forward, x3, w, r, s)
+    dx3, dw, dr, ds = vjp(g3.astype(config.out_dtype))
+    return dx3, dw, dr.astype(jnp.float32), ds.astype(jnp.float32)
+
+
+def _dispatch(config: _Config, run_family, reference, *args):
+    """Runs ``run_family(family, *args, config, interpret)`` for the platform."""
+    if config.family is not None:
+        return run_family(config.family, *args, config, True)
+    if config.interpret is True:
+        return run_family("gpu", *args, config, True)
+    if config.interpret is not False:
+        return run_family("tpu", *args, config, config.interpret)
+    return lax.platform_dependent(
+        *args,
+        cpu=lambda *a: run_family("gpu", *a, config, True),
+        cuda=lambda *a: run_family("gpu", *a, config, False),
+        tpu=lambda *a: run_family("tpu", *a, config, False),
+        default=lambda *a: reference(*a, config),
+    )
+
+
+def _forward(x3, w, r, s, bias, config: _Config):
+    # platform_dependent takes arrays only: a missing bias is a closed-over None.
+    if bias is None:
+        return _dispatch(
+            config,
+            lambda family, *a: _family_forward(family, *a[:4], None, *a[4:]),
+            lambda *a: _reference_forward(*a[:4], None, a[4]),
+            x3,
+            w,
+            r,
+            s,
+        )
+    return _dispatch(config, _family_forward, _reference_forward, x3, w, r, s, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(x3, w, r, s, bias, config: _Config):
+    return _forward(x3, w, r, s, bias, config)
+
+
+def _fused_fwd(x3, w, r, s, bias, config: _Config):
+    # Residuals: the operands only (check_dtypes made every operand share x3's
+    # dtype); no activation-sized intermediate is kept.
+    return _forward(x3, w, r, s, bias, config), (x3, w, r, s)
+
+
+def _fused_bwd(config: _Config, residuals, g3):
+    x3, w, r, s = residuals
+    dx3, dw, dr, ds = _dispatch(
+        config, _family_backward, _reference_backward, x3, w, r, s, g3
+    )
+    dbias = None
+    if config.has_bias:
+        dbias = jnp.sum(g3.astype(jnp.float32), axis=1).astype(x3.dtype)
+    return dx3, dw, dr.astype(r.dtype), ds.astype(s.dtype), dbias
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_dense(
+    inputs: jax.Array,
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    interpret: Any = False,
+    block_sizes: BlockSizes | None = None,
+    _family: str | None = None,
+) -> jax.Array:
+    """The Pallas implementation of ``batch_ensemble_dense(..., impl="pallas")``.
+
+    Call :func:`ensembles.ops.batch_ensemble_dense` rather than this: it
+    validates the shapes (``num_members`` is read from ``r`` here). This
+    function checks the dtypes and block sizes and runs the fused kernel with
+    its custom VJP.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((2 * 3, 4))                    # E=2 members, B=3 rows each
+    >>> r = jnp.stack([jnp.ones(4), 2 * jnp.ones(4)])
+    >>> y = fused_dense(x, jnp.ones((4, 5)), r, jnp.ones((2, 5)), interpret=True)
+    >>> y[:, 0]
+    Array([4., 4., 4., 8., 8., 8.], dtype=float32)
+
+    Args:
+      inputs: ``[E*B, ..., in_features]`` member-major batch.
+      kernel: the shared ``[in_features, out_features]`` kernel.
+      r: ``[E, in_features]`` input fast weights.
+      s: ``[E, out_features]`` output fast weights.
+      bias: ``[E, out_features]`` bias, or ``None``.
+      precision: matmul precision inside the kernels.
+      preferred_element_type: output dtype: ``None`` (the operands' dtype) or
+        float32. The kernels always accumulate in float32.
+      interpret: ``False`` runs the compiled kernel of the platform (Triton on
+        GPU, Mosaic on TPU; CPU, which has no compiled Pallas backend,
+        interprets the GPU kernel). ``True`` runs the GPU kernel in Pallas'
+        interpreter on any platform. A ``pltpu.InterpretParams(...)`` runs the
+        TPU kernel in Pallas' TPU simulator.
+      block_sizes: tile sizes, :class:`BlockSizes` (default: ``BlockSizes()``).
+      _family: tests only: ``"gpu"`` or ``"tpu"`` interprets that kernel family.
+
+    Returns:
+      The ``[E*B, ..., out_features]`` outputs.
+
+    Raises:
+      TypeError: for unsupported dtypes or a ``block_sizes`` that is not a
+        :class:`BlockSizes`.
+    """
+    if block_sizes is None:
+        block_sizes = BlockSizes()
+    if not isinstance(block_sizes, BlockSizes):
+        raise TypeError(
+            f"`block_sizes` must be an `ensembles.ops.BlockSizes` or None, got "
+            f"{block_sizes!r} of type {type(block_sizes).__name__}."
+        )
+    if _family not in (None, "gpu", "tpu"):
+        raise ValueError(f"`_family` must be None, 'gpu' or 'tpu', got {_family!r}.")
+    dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
+    config = _Config(
+        blocks=block_sizes,
+        precision=precision,
+        out_dtype=jnp.dtype(preferred_element_type or dtype),
+        interpret=interpret,
+        family=_family,
+        has_bias=bias is not None,
+    )
+    num_members, in_features = r.shape
+    out_features = kernel.shape[1]
+    x3 = inputs.reshape(num_members, -1, in_features)
+    y3 = _fused(x3, kernel, r, s, bias, config)
+    return y3.reshape(*inputs.shape[:-1], out_features)

@@ -313,3 +313,18 @@ def test_main_markdown_and_plot(capsys, tmp_path):
     assert "| 2 | batchensemble |" in out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+def test_bench_impls_reports_every_impl_as_ratios(tmp_path):
+    from benchmarks import bench_impls
+
+    out = tmp_path / "impls.json"
+    rows = bench_impls.main(
+        ["--shapes", "2,8,16,24", "--repeats", "2", "--json", str(out)]
+    )
+    # On CPU: "xla" and "auto" (the kernel only interprets here), two modes.
+    assert {(row["impl"], row["mode"]) for row in rows} == {
+        (impl, mode) for impl in ("xla", "auto") for mode in ("forward", "gradient")
+    }
+    assert all(row["vs_linear"] > 0 and row["vs_deep"] > 0 for row in rows)
+    assert json.loads(out.read_text()) == rows

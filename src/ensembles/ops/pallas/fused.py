@@ -234,18 +234,15 @@ def _dispatch(config: _Config, run_family, reference, *args):
 
 
 def _forward(x3, w, r, s, bias, config: _Config):
-    # platform_dependent takes arrays only: a missing bias is a closed-over None.
-    if bias is None:
-        return _dispatch(
-            config,
-            lambda family, *a: _family_forward(family, *a[:4], None, *a[4:]),
-            lambda *a: _reference_forward(*a[:4], None, a[4]),
-            x3,
-            w,
-            r,
-            s,
-        )
-    return _dispatch(config, _family_forward, _reference_forward, x3, w, r, s, bias)
+    # The bias is closed over, not passed: it may be None, and
+    # platform_dependent's branches take arrays only.
+    def family_forward(family, x3, w, r, s, config, interpret):
+        return _family_forward(family, x3, w, r, s, bias, config, interpret)
+
+    def reference(x3, w, r, s, config):
+        return _reference_forward(x3, w, r, s, bias, config)
+
+    return _dispatch(config, family_forward, reference, x3, w, r, s)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -3,6 +3,9 @@
 Both walk the model graph with ``nnx.recursive_map``, which copies the module
 structure, converts every shared submodule once and re-links every reference to
 it, and keeps ``nnx.List`` / ``nnx.Dict`` / ``nnx.Sequential`` containers intact.
+``recursive_map`` and ``iter_graph`` show a shared submodule under its first
+path only, so the ``only`` filter is asked about every path separately
+(:func:`_paths_to_nodes`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from typing import Any, TypeVar
 
 from flax import nnx
 from flax.nnx import filterlib
+from flax.nnx import graph as nnx_graph
 
-from ensembles._checks import check_choice, check_num_members
+from ensembles._checks import check_choice, check_num_members, check_rngs
 from ensembles.ensemble import Ensemble
 from ensembles.initializers import Initializer
 from ensembles.layers.base import EnsembleModule, default_fast_weight_init
@@ -92,10 +96,13 @@ def to_batch_ensemble(
       model: any NNX model (modules nested in attributes, ``nnx.List``,
         ``nnx.Dict``, ``nnx.Sequential``; shared submodules stay shared).
       num_members: the ensemble size E.
-      rngs: rng keys for the fast weights.
+      rngs: rng keys for the fast weights (an ``nnx.Rngs``); advanced only
+        if the conversion succeeds.
       only: an NNX filter (types, path predicates, ...) selecting which
         convertible layers (and, with ``norms="member"``, which norms) to
-        convert; default: all of them.
+        convert; default: all of them. A layer reachable by several paths
+        (shared by several attributes) is selected if any of its paths
+        matches; it is converted once and stays shared.
       r_init: initializer for every converted layer's ``r``.
       s_init: initializer for every converted layer's ``s``.
       norms: ``"shared"`` keeps norm layers as they are (statistics and scale
@@ -112,22 +119,36 @@ def to_batch_ensemble(
       ValueError: if the model holds nothing to convert and no BatchEnsemble
         layer, if its BatchEnsemble layers have another ``num_members``, if
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
-        is invalid. Nothing (neither ``model`` nor ``rngs``) is changed then.
+        is invalid (or an initializer fails). Nothing (neither ``model`` nor
+        ``rngs``) is changed then.
+      TypeError: if ``rngs`` is not an ``nnx.Rngs``.
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)
+    rngs = check_rngs(rngs)
     predicate = filterlib.to_predicate(only)
     norm_types = NORM_CONVERTERS if norms == "member" else {}
 
     # Decide everything before converting anything: an error leaves the model
-    # and `rngs` untouched.
+    # and `rngs` untouched. A shared node is selected if any path to it is.
+    paths = _paths_to_nodes(model)
+    selected_paths: set[tuple[Any, ...]] = set()
+
+    def selected(path, node) -> bool:
+        return any(predicate(p, node) for p in paths.get(id(node), [path]))
+
     layers, norm_layers, skipped_norms, existing = [], [], [], {}
     for path, node in nnx.iter_graph(model):
         where = "/".join(map(str, path))
-        if type(node) in CONVERTERS and predicate(path, node):
+        if type(node) in CONVERTERS and selected(path, node):
             layers.append(where)
+            selected_paths.update(paths.get(id(node), [path]))
         elif type(node) in norm_types:
-            (norm_layers if predicate(path, node) else skipped_norms).append(where)
+            if selected(path, node):
+                norm_layers.append(where)
+                selected_paths.update(paths.get(id(node), [path]))
+            else:
+                skipped_norms.append(where)
         elif _is_ensemble_layer(node):
             existing[where] = node.num_members
     mismatched = {w: e for w, e in existing.items() if e != num_members}
@@ -152,25 +173,59 @@ def to_batch_ensemble(
             f"{only!r}."
         )
 
+    # Fast weights draw from a copy of `rngs`, handed back only on success: an
+    # initializer that fails halfway leaves the caller's streams where they were.
+    draw = nnx.clone(rngs)
+
     def convert(path, node):
         kind = type(node)
-        if kind in CONVERTERS and predicate(path, node):
+        # recursive_map visits a shared node once, under one of its paths (on
+        # its own copy of the graph, so match by path rather than identity).
+        chosen = tuple(path) in selected_paths
+        if kind in CONVERTERS and chosen:
             return CONVERTERS[kind](
                 node,
                 num_members=num_members,
-                rngs=rngs,
+                rngs=draw,
                 r_init=r_init,
                 s_init=s_init,
                 # `node` belongs to the private copy (or, with share_weights,
                 # is meant to be shared): holding its kernel is what we want.
                 share_kernel=True,
             )
-        if kind in norm_types and predicate(path, node):
+        if kind in norm_types and chosen:
             return norm_types[kind](node, num_members=num_members)
         return node
 
     source = model if share_weights else nnx.clone(model)
-    return nnx.recursive_map(convert, source, graph=True)
+    result = nnx.recursive_map(convert, source, graph=True)
+    nnx.update(rngs, nnx.state(draw))
+    return result
+
+
+def _paths_to_nodes(model: Any) -> dict[int, list[tuple[Any, ...]]]:
+    """Every path to every graph node of ``model``, keyed by ``id(node)``.
+
+    ``nnx.iter_graph`` yields a node reachable by several paths only once; the
+    walk here follows every edge (cycles excepted), so a filter can be asked
+    about each path. Variables and other leaves are not entered.
+    """
+    paths: dict[int, list[tuple[Any, ...]]] = {}
+    stack: list[tuple[tuple[Any, ...], Any, frozenset[int]]] = [
+        ((), model, frozenset())
+    ]
+    while stack:
+        path, node, ancestors = stack.pop()
+        if isinstance(node, nnx.Variable) or id(node) in ancestors:
+            continue
+        node_impl = nnx_graph.get_node_impl(node)
+        if node_impl is None:
+            continue
+        paths.setdefault(id(node), []).append(path)
+        inner = ancestors | {id(node)}
+        for key, child in reversed(list(node_impl.node_dict(node).items())):
+            stack.append(((*path, key), child, inner))
+    return paths
 
 
 def _is_ensemble_layer(node: Any) -> bool:

@@ -41,20 +41,33 @@ class Ensemble(nnx.Module):
       num_members: the ensemble size E.
 
     Raises:
-      ValueError: if a BatchEnsemble layer in ``model`` has another size.
+      ValueError: if a BatchEnsemble layer in ``model`` has another size, or
+        ``model`` holds none (its E "members" would be E identical copies,
+        whose agreement would look like certainty).
     """
 
     def __init__(self, model: Any, *, num_members: int):
         num_members = check_num_members(num_members)
+        found = False
         for path, node in nnx.iter_graph(model):
-            size = getattr(node, "num_members", num_members)
-            if isinstance(node, EnsembleModule) and size != num_members:
+            if not isinstance(node, EnsembleModule):
+                continue
+            found = True
+            size = node.num_members
+            if size != num_members:
                 where = "/".join(map(str, path))
                 raise ValueError(
                     f"`num_members` (={num_members}) must match the model's "
                     f"layers, but `{where}` ({type(node).__name__}) has "
                     f"num_members={size}."
                 )
+        if not found:
+            raise ValueError(
+                f"`model` ({type(model).__name__}) holds no BatchEnsemble layer: "
+                f"its {num_members} members would all compute the same thing. "
+                f"Convert it with `ensembles.to_batch_ensemble(model, "
+                f"num_members={num_members}, rngs=...)` first."
+            )
         self.model = model
         self.num_members = num_members
         self.member: int | None = None

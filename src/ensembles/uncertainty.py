@@ -22,6 +22,17 @@ minus ``log E``) in at least float32, so bf16 logits and logits of +-1e4 give
 finite, accurate results, and ``0 * log 0`` counts as 0. All functions can be
 wrapped in :func:`jax.jit`; ``num_bins`` of :func:`ece` is then static.
 
+Bad input never gives a finite answer. An example's logits are *invalid* when
+some member's row holds a NaN or a ``+inf``, or is ``-inf`` for every class (no
+distribution at all); ``-inf`` for some classes is a valid mask and gives those
+classes probability 0. Per-example scores are NaN for exactly the examples with
+invalid logits (the other examples are computed as if those were absent); every
+metric that aggregates over examples is NaN if any of them is invalid.
+Out-of-range labels raise a ``ValueError`` when their values are known and make
+the metric NaN under :func:`jax.jit`; :func:`auroc` is NaN if any score is NaN
+or infinite. Eager or jitted, the result is the same NaN, never a finite number
+that looks like a confident answer.
+
 >>> import jax.numpy as jnp
 >>> from ensembles import uncertainty
 >>> sure_and_agreeing = jnp.array([[[9.0, 0.0]], [[9.0, 0.0]]])
@@ -187,6 +198,54 @@ def _predictive_log_probs(member_log_probs: jax.Array) -> jax.Array:
     return jnp.where(ruled_out, -jnp.inf, log_probs)
 
 
+def _invalid_examples(logits: jax.Array) -> jax.Array:
+    """``[B]`` booleans: True where some member's logits give no distribution.
+
+    That is a NaN or ``+inf`` anywhere in the member's row (softmax would
+    return NaN, or ``exp`` overflow would pick a class by accident), or a row
+    that is ``-inf`` for every class. A ``-inf`` next to finite logits is a
+    masked class and stays valid.
+    """
+    broken = jnp.isnan(logits) | (logits == jnp.inf)
+    rules_out_all = jnp.all(logits == -jnp.inf, axis=-1)
+    return jnp.any(jnp.any(broken, axis=-1) | rules_out_all, axis=0)
+
+
+def _split_invalid(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Returns ``(logits with invalid examples zeroed, [B] invalid mask)``.
+
+    Zeroing them keeps NaN out of the valid examples' values and gradients; the
+    caller then poisons the invalid examples' results with :func:`_poison`.
+    """
+    invalid = _invalid_examples(logits)
+    return jnp.where(invalid[None, :, None], 0.0, logits), invalid
+
+
+def _poison(values: jax.Array, invalid: jax.Array) -> jax.Array:
+    """NaN where ``invalid`` ([B], broadcast over trailing axes) is True."""
+    invalid = invalid.reshape(invalid.shape + (1,) * (values.ndim - invalid.ndim))
+    return jnp.where(invalid, jnp.nan, values)
+
+
+def _poison_all(value: jax.Array, invalid: jax.Array) -> jax.Array:
+    """``value`` (an aggregate over examples), or NaN if any example is invalid."""
+    return jnp.where(jnp.any(invalid), jnp.nan, value)
+
+
+def _split_invalid_labeled(
+    logits: jax.Array, labels: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_split_invalid`, also marking out-of-range labels invalid.
+
+    Out-of-range labels raise eagerly (:func:`_check_labels`); under ``jit``
+    their values are unknown, so they reach here and poison the metric. They
+    are replaced by class 0 so that no gather clips or fills them silently.
+    """
+    logits, invalid = _split_invalid(logits)
+    bad_label = (labels < 0) | (labels >= logits.shape[-1])
+    return logits, jnp.where(bad_label, 0, labels), invalid | bad_label
+
+
 def _entropy(log_probs: jax.Array) -> jax.Array:
     """Entropy over the last axis, with ``0 * log 0 = 0`` (also in gradients)."""
     probs = jnp.exp(log_probs)
@@ -200,9 +259,14 @@ def _entropy(log_probs: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------- per-example
 
 
+def _predictive_probs_unchecked(logits: jax.Array) -> jax.Array:
+    return jnp.mean(_member_probs(logits), axis=0)
+
+
 @jax.jit
 def _predictive_probs(logits: jax.Array) -> jax.Array:
-    return jnp.mean(_member_probs(logits), axis=0)
+    logits, invalid = _split_invalid(logits)
+    return _poison(_predictive_probs_unchecked(logits), invalid)
 
 
 def predictive_probs(logits: jax.Array) -> jax.Array:
@@ -219,7 +283,9 @@ def predictive_probs(logits: jax.Array) -> jax.Array:
 
     Returns:
       ``[B, C]`` class probabilities, in the logits' dtype promoted to at least
-      float32.
+      float32. A row of NaN for an example with invalid logits (see the module
+      docs): a NaN or ``+inf``, or a member ruling out every class; other
+      examples are unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -230,7 +296,8 @@ def predictive_probs(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _total_entropy(logits: jax.Array) -> jax.Array:
-    return _entropy(_predictive_log_probs(_member_log_probs(logits)))
+    logits, invalid = _split_invalid(logits)
+    return _poison(_entropy(_predictive_log_probs(_member_log_probs(logits))), invalid)
 
 
 def total_entropy(logits: jax.Array) -> jax.Array:
@@ -244,12 +311,17 @@ def total_entropy(logits: jax.Array) -> jax.Array:
     >>> logits = jnp.array([[[5.0, 0.0]], [[0.0, 5.0]]])  # two sure, opposite members
     >>> uncertainty.total_entropy(logits)  # log 2: the predictive is 50/50
     Array([0.6931472], dtype=float32)
+    >>> diverged = jnp.array([[[5.0, 0.0], [1.0, 0.0]], [[jnp.nan, 0.0], [0.0, 1.0]]])
+    >>> uncertainty.total_entropy(diverged)  # only example 0 is broken
+    Array([      nan, 0.6931472], dtype=float32)
 
     Args:
       logits: member logits of shape ``[E, B, C]``.
 
     Returns:
-      ``[B]`` entropies in ``[0, log C]``.
+      ``[B]`` entropies in ``[0, log C]``;
+      NaN for an example with invalid logits (see the module docs): a NaN or
+      ``+inf``, or a member ruling out every class; other examples unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -260,7 +332,8 @@ def total_entropy(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _expected_entropy(logits: jax.Array) -> jax.Array:
-    return jnp.mean(_entropy(_member_log_probs(logits)), axis=0)
+    logits, invalid = _split_invalid(logits)
+    return _poison(jnp.mean(_entropy(_member_log_probs(logits)), axis=0), invalid)
 
 
 def expected_entropy(logits: jax.Array) -> jax.Array:
@@ -278,7 +351,9 @@ def expected_entropy(logits: jax.Array) -> jax.Array:
       logits: member logits of shape ``[E, B, C]``.
 
     Returns:
-      ``[B]`` entropies in ``[0, log C]``.
+      ``[B]`` entropies in ``[0, log C]``;
+      NaN for an example with invalid logits (see the module docs): a NaN or
+      ``+inf``, or a member ruling out every class; other examples unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -289,10 +364,11 @@ def expected_entropy(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _mutual_information(logits: jax.Array) -> jax.Array:
+    logits, invalid = _split_invalid(logits)
     member_log_probs = _member_log_probs(logits)
     total = _entropy(_predictive_log_probs(member_log_probs))
     expected = jnp.mean(_entropy(member_log_probs), axis=0)
-    return jnp.maximum(total - expected, 0.0)
+    return _poison(jnp.maximum(total - expected, 0.0), invalid)
 
 
 def mutual_information(logits: jax.Array) -> jax.Array:
@@ -312,7 +388,9 @@ def mutual_information(logits: jax.Array) -> jax.Array:
       logits: member logits of shape ``[E, B, C]``.
 
     Returns:
-      ``[B]`` non-negative mutual informations, in nats.
+      ``[B]`` non-negative mutual informations, in nats;
+      NaN for an example with invalid logits (see the module docs): a NaN or
+      ``+inf``, or a member ruling out every class; other examples unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -323,13 +401,14 @@ def mutual_information(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _disagreement(logits: jax.Array) -> jax.Array:
+    logits, invalid = _split_invalid(logits)
     member_probs = _member_probs(logits)
     # Argmax over the probabilities for both, so that a single member always
     # agrees with itself even where exp() rounds nearby logits to a tie.
     member_class = jnp.argmax(member_probs, axis=-1)
     ensemble_class = jnp.argmax(jnp.mean(member_probs, axis=0), axis=-1)
     differs = member_class != ensemble_class[None, :]
-    return jnp.mean(differs.astype(member_probs.dtype), axis=0)
+    return _poison(jnp.mean(differs.astype(member_probs.dtype), axis=0), invalid)
 
 
 def disagreement(logits: jax.Array) -> jax.Array:
@@ -349,7 +428,9 @@ def disagreement(logits: jax.Array) -> jax.Array:
 
     Returns:
       ``[B]`` fractions in ``[0, 1]`` (0 for a single member; it can reach 1
-      where the mean favours a class no member ranks first).
+      where the mean favours a class no member ranks first);
+      NaN for an example with invalid logits (see the module docs): a NaN or
+      ``+inf``, or a member ruling out every class; other examples unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -360,9 +441,11 @@ def disagreement(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _variance(logits: jax.Array) -> jax.Array:
+    logits, invalid = _split_invalid(logits)
     member_probs = _member_probs(logits)
     deviations = member_probs - jnp.mean(member_probs, axis=0, keepdims=True)
-    return jnp.sum(jnp.mean(jnp.square(deviations), axis=0), axis=-1)
+    variances = jnp.sum(jnp.mean(jnp.square(deviations), axis=0), axis=-1)
+    return _poison(variances, invalid)
 
 
 def variance(logits: jax.Array) -> jax.Array:
@@ -381,7 +464,9 @@ def variance(logits: jax.Array) -> jax.Array:
       logits: member logits of shape ``[E, B, C]``.
 
     Returns:
-      ``[B]`` variances in ``[0, 1 - 1/E]``.
+      ``[B]`` variances in ``[0, 1 - 1/E]``;
+      NaN for an example with invalid logits (see the module docs): a NaN or
+      ``+inf``, or a member ruling out every class; other examples unaffected.
 
     Raises:
       ValueError: if ``logits`` is not 3-D or has an empty axis.
@@ -395,9 +480,10 @@ def variance(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
     log_probs = _predictive_log_probs(_member_log_probs(logits))
     picked = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
-    return -jnp.mean(picked)
+    return _poison_all(-jnp.mean(picked), invalid)
 
 
 def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -418,7 +504,10 @@ def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
       labels: integer class indices of shape ``[B]``, in ``[0, C)``.
 
     Returns:
-      The mean NLL over examples, a scalar, in nats.
+      The mean NLL over examples, a scalar, in nats (``inf`` where every
+      member masks the label out with ``-inf``);
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
 
     Raises:
       ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, or (when
@@ -431,9 +520,10 @@ def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @jax.jit
 def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    probs = _predictive_probs(logits)
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    probs = _predictive_probs_unchecked(logits)
     predicted = jnp.argmax(probs, axis=-1)
-    return jnp.mean((predicted == labels).astype(probs.dtype))
+    return _poison_all(jnp.mean((predicted == labels).astype(probs.dtype)), invalid)
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -444,13 +534,17 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     >>> logits = jnp.array([[[2.0, 0.0], [0.0, 1.0]], [[1.0, 0.0], [3.0, 0.0]]])
     >>> uncertainty.accuracy(logits, jnp.array([0, 1]))  # 2nd example: class 0
     Array(0.5, dtype=float32)
+    >>> uncertainty.accuracy(logits.at[1, 0, 0].set(jnp.inf), jnp.array([0, 1]))
+    Array(nan, dtype=float32)
 
     Args:
       logits: member logits of shape ``[E, B, C]``.
       labels: integer class indices of shape ``[B]``, in ``[0, C)``.
 
     Returns:
-      The accuracy in ``[0, 1]``, a scalar.
+      The accuracy in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
 
     Raises:
       ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, or (when
@@ -463,9 +557,10 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @jax.jit
 def _brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    probs = _predictive_probs(logits)
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    probs = _predictive_probs_unchecked(logits)
     targets = jax.nn.one_hot(labels, probs.shape[-1], dtype=probs.dtype)
-    return jnp.mean(jnp.sum(jnp.square(probs - targets), axis=-1))
+    return _poison_all(jnp.mean(jnp.sum(jnp.square(probs - targets), axis=-1)), invalid)
 
 
 def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -485,7 +580,9 @@ def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
       labels: integer class indices of shape ``[B]``, in ``[0, C)``.
 
     Returns:
-      The mean Brier score over examples, a scalar.
+      The mean Brier score over examples, a scalar;
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
 
     Raises:
       ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, or (when
@@ -498,7 +595,8 @@ def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("num_bins",))
 def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
-    probs = _predictive_probs(logits)
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    probs = _predictive_probs_unchecked(logits)
     confidence = jnp.max(probs, axis=-1)
     correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
     # Bin i holds confidences in (edges[i], edges[i+1]]; a side="left" search
@@ -509,7 +607,7 @@ def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
     )
     # sum_bins n_i/B * |acc_i - conf_i| = sum_bins |sum_i (correct - conf)| / B.
     gaps = jnp.zeros(num_bins, probs.dtype).at[bins].add(correct - confidence)
-    return jnp.sum(jnp.abs(gaps)) / labels.shape[0]
+    return _poison_all(jnp.sum(jnp.abs(gaps)) / labels.shape[0], invalid)
 
 
 def ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
@@ -534,7 +632,9 @@ def ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
         :func:`jax.jit`).
 
     Returns:
-      The ECE in ``[0, 1]``, a scalar.
+      The ECE in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
 
     Raises:
       ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, if
@@ -559,7 +659,11 @@ def _auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
     below = jnp.searchsorted(sorted_in, out_scores, side="left")
     below_or_equal = jnp.searchsorted(sorted_in, out_scores, side="right")
     wins = (below + below_or_equal).astype(dtype) / (2 * in_scores.shape[0])
-    return jnp.mean(wins)
+    # NaN sorts last and compares false, so it would count as a sure loss (or
+    # win): the AUROC of unranked scores is undefined. An infinite score is an
+    # overflow upstream more often than a real extreme; both poison the result.
+    broken = ~(jnp.all(jnp.isfinite(sorted_in)) & jnp.all(jnp.isfinite(out_scores)))
+    return jnp.where(broken, jnp.nan, jnp.mean(wins))
 
 
 def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
@@ -578,14 +682,20 @@ def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
     Array(0.75, dtype=float32)
     >>> uncertainty.auroc(jnp.array([0.5]), jnp.array([0.5]))  # a tie: chance
     Array(0.5, dtype=float32)
+    >>> uncertainty.auroc(jnp.array([0.1, jnp.nan]), jnp.array([0.9]))  # unranked
+    Array(nan, dtype=float32)
 
     Args:
       in_scores: ``[N_in]`` scores of in-distribution examples (the negatives).
       out_scores: ``[N_out]`` scores of out-of-distribution examples (the
-        positives). Scores must not be NaN.
+        positives).
 
     Returns:
       The AUROC in ``[0, 1]``, a scalar: 1 separates perfectly, 0.5 is chance.
+      NaN if any score is NaN or infinite (eagerly and under :func:`jax.jit`):
+      such scores have no rank, and an example scored NaN by
+      :func:`mutual_information` is one whose logits were invalid. Drop those
+      examples, or clip deliberate infinities, before ranking.
 
     Raises:
       ValueError: if either array is not 1-D or is empty.

@@ -15,8 +15,9 @@ replicated member axis (:func:`member_axis_metadata`). See
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,13 +26,14 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from ensembles import initializers as fast_initializers
-from ensembles._checks import check_choice
+from ensembles._checks import check_choice, check_rngs
 from ensembles.variables import FastWeight
 
 __all__ = [
     "BatchEnsembleModule",
     "EnsembleModule",
     "check_member",
+    "drawing_from",
     "member_axis_metadata",
     "member_copies",
     "shard_output",
@@ -64,6 +66,20 @@ def check_member(member: Any, num_members: int) -> int:
             f"`member` must be in [0, num_members) = [0, {num_members}), got {index}."
         )
     return index
+
+
+@contextlib.contextmanager
+def drawing_from(rngs: Any) -> Iterator[nnx.Rngs]:
+    """Yields a copy of ``rngs`` to draw from; ``rngs`` catches up on success.
+
+    A constructor that fails halfway (an initializer returning the wrong shape,
+    say) has then drawn nothing from the caller's ``rngs``: its stream counts
+    stay as they were, so a retry draws the same keys as a first try would.
+    """
+    rngs = check_rngs(rngs)
+    draw = nnx.clone(rngs)
+    yield draw
+    nnx.update(rngs, nnx.state(draw))
 
 
 def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -248,7 +264,44 @@ class BatchEnsembleModule(EnsembleModule):
 
         Each draws its own key from ``rngs.params()``, in that order, and each
         initializer's result is checked against the shape the layer needs.
+        ``rngs`` is advanced only if all of them succeed.
         """
+        with drawing_from(rngs) as draw:
+            self._init_weights_from(
+                kernel_shape=kernel_shape,
+                r_shape=r_shape,
+                s_shape=s_shape,
+                bias_shape=bias_shape,
+                use_bias=use_bias,
+                param_dtype=param_dtype,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                r_init=r_init,
+                s_init=s_init,
+                rngs=draw,
+                kernel_metadata=kernel_metadata,
+                bias_metadata=bias_metadata,
+                fast_weight_metadata=fast_weight_metadata,
+            )
+
+    def _init_weights_from(
+        self,
+        *,
+        kernel_shape: Sequence[int],
+        r_shape: Sequence[int],
+        s_shape: Sequence[int],
+        bias_shape: Sequence[int],
+        use_bias: bool,
+        param_dtype: Any,
+        kernel_init: Callable[..., jax.Array],
+        bias_init: Callable[..., jax.Array],
+        r_init: Callable[..., jax.Array],
+        s_init: Callable[..., jax.Array],
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any],
+        bias_metadata: Mapping[str, Any],
+        fast_weight_metadata: Mapping[str, Any],
+    ) -> None:
         self.kernel = init_param(
             nnx.Param,
             kernel_init,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes, initializers
@@ -25,6 +26,7 @@ from ensembles._checks import check_num_members, check_positive_int
 from ensembles.layers.base import (
     EnsembleModule,
     check_member,
+    drawing_from,
     init_param,
     member_copies,
     plain_layer,
@@ -50,6 +52,41 @@ def _param(
         metadata,
         name,
     )
+
+
+def _check_mask(mask: Any, x: Any) -> Any:
+    """Checks that ``mask`` is boolean and broadcasts to the inputs ``x``."""
+    if mask is None:
+        return None
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"`mask` must be a boolean array (True: the entry counts in the "
+            f"statistics), got dtype {mask.dtype}: pass `mask.astype(bool)`."
+        )
+    shape = tuple(jnp.shape(x))
+    try:
+        broadcast = jnp.broadcast_shapes(tuple(mask.shape), shape)
+    except ValueError:
+        broadcast = None
+    if broadcast != shape:
+        raise ValueError(
+            f"`mask` must broadcast to the shape of `x` {shape}, got shape "
+            f"{tuple(mask.shape)}: give it one entry per input entry (or size-1 "
+            f"axes to broadcast)."
+        )
+    return mask
+
+
+def _check_use_running_average(value: Any) -> bool:
+    """Checks the resolved ``use_running_average`` of a call: a Python bool."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(
+            f"`use_running_average` must be a bool, got {value!r} of type "
+            f"{type(value).__name__}: any other value would be read as its "
+            f"truthiness. Pass True (evaluation) or False (training)."
+        )
+    return bool(value)
 
 
 def _member_param(variable: nnx.Variable, member: int) -> nnx.Variable:
@@ -131,32 +168,33 @@ class EnsembleLayerNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = _param(
-                scale_init,
-                rngs,
-                num_members,
-                num_features,
-                param_dtype,
-                scale_metadata,
-                "scale_init",
-            )
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = _param(
-                bias_init,
-                rngs,
-                num_members,
-                num_features,
-                param_dtype,
-                bias_metadata,
-                "bias_init",
-            )
-        else:
-            self.bias = nnx.data(None)
+        with drawing_from(rngs) as draw:
+            self.scale: nnx.Param[jax.Array] | None
+            if use_scale:
+                self.scale = _param(
+                    scale_init,
+                    draw,
+                    num_members,
+                    num_features,
+                    param_dtype,
+                    scale_metadata,
+                    "scale_init",
+                )
+            else:
+                self.scale = nnx.data(None)
+            self.bias: nnx.Param[jax.Array] | None
+            if use_bias:
+                self.bias = _param(
+                    bias_init,
+                    draw,
+                    num_members,
+                    num_features,
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
 
         self.num_features = num_features
         self.num_members = num_members
@@ -286,11 +324,16 @@ class EnsembleLayerNorm(EnsembleModule):
           x: the ``[E*B, ...]`` member-major inputs; in a member view an
             un-tiled ``[B, ...]`` batch.
           mask: booleans broadcastable to ``x``: the entries the statistics
-            count.
+            count. A row with no True entry gets NaN statistics, as in Flax.
 
         Returns:
           The normalized inputs, of the same shape.
+
+        Raises:
+          TypeError: if ``mask`` is not boolean.
+          ValueError: if ``mask`` does not broadcast to ``x``.
         """
+        mask = _check_mask(mask, x)
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
         num_members, (scale, bias) = self._members(scale, bias)
@@ -371,19 +414,20 @@ class EnsembleRMSNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = _param(
-                scale_init,
-                rngs,
-                num_members,
-                num_features,
-                param_dtype,
-                scale_metadata,
-                "scale_init",
-            )
-        else:
-            self.scale = nnx.data(None)
+        with drawing_from(rngs) as draw:
+            self.scale: nnx.Param[jax.Array] | None
+            if use_scale:
+                self.scale = _param(
+                    scale_init,
+                    draw,
+                    num_members,
+                    num_features,
+                    param_dtype,
+                    scale_metadata,
+                    "scale_init",
+                )
+            else:
+                self.scale = nnx.data(None)
 
         self.num_features = num_features
         self.num_members = num_members
@@ -495,11 +539,16 @@ class EnsembleRMSNorm(EnsembleModule):
           x: the ``[E*B, ...]`` member-major inputs; in a member view an
             un-tiled ``[B, ...]`` batch.
           mask: booleans broadcastable to ``x``: the entries the statistics
-            count.
+            count. A row with no True entry gets NaN statistics, as in Flax.
 
         Returns:
           The normalized inputs, of the same shape.
+
+        Raises:
+          TypeError: if ``mask`` is not boolean.
+          ValueError: if ``mask`` does not broadcast to ``x``.
         """
+        mask = _check_mask(mask, x)
         scale = None if self.scale is None else self.scale[...]
         num_members, (scale,) = self._members(scale)
         x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
@@ -609,32 +658,33 @@ class EnsembleBatchNorm(EnsembleModule):
         shape = (num_members, num_features)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))
-        self.scale: nnx.Param[jax.Array] | None
-        if use_scale:
-            self.scale = _param(
-                scale_init,
-                rngs,
-                num_members,
-                num_features,
-                param_dtype,
-                scale_metadata,
-                "scale_init",
-            )
-        else:
-            self.scale = nnx.data(None)
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = _param(
-                bias_init,
-                rngs,
-                num_members,
-                num_features,
-                param_dtype,
-                bias_metadata,
-                "bias_init",
-            )
-        else:
-            self.bias = nnx.data(None)
+        with drawing_from(rngs) as draw:
+            self.scale: nnx.Param[jax.Array] | None
+            if use_scale:
+                self.scale = _param(
+                    scale_init,
+                    draw,
+                    num_members,
+                    num_features,
+                    param_dtype,
+                    scale_metadata,
+                    "scale_init",
+                )
+            else:
+                self.scale = nnx.data(None)
+            self.bias: nnx.Param[jax.Array] | None
+            if use_bias:
+                self.bias = _param(
+                    bias_init,
+                    draw,
+                    num_members,
+                    num_features,
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
 
         self.num_features = num_features
         self.num_members = num_members
@@ -808,14 +858,20 @@ class EnsembleBatchNorm(EnsembleModule):
           use_running_average: overrides the attribute of the same name for
             this call.
           mask: booleans broadcastable to ``x``: the entries the batch
-            statistics count.
+            statistics count. A member with no True entry gets NaN batch
+            statistics and, in training, NaN running averages, as in Flax:
+            they stay NaN, so the mistake shows.
 
         Returns:
           The normalized inputs, of the same shape.
 
         Raises:
           ValueError: if neither the argument nor the attribute
-            ``use_running_average`` is set.
+            ``use_running_average`` is set, if ``mask`` does not broadcast to
+            ``x``, or if ``x`` is empty in training (no rows to take batch
+            statistics from). The running averages are unchanged then.
+          TypeError: if ``use_running_average`` is not a bool or ``mask`` not
+            boolean.
         """
         use_running_average = first_from(
             use_running_average,
@@ -826,6 +882,15 @@ class EnsembleBatchNorm(EnsembleModule):
                 "use_running_average=True/False)`."
             ),
         )
+        use_running_average = _check_use_running_average(use_running_average)
+        mask = _check_mask(mask, x)
+        if not use_running_average and jnp.size(x) == 0:
+            raise ValueError(
+                f"`x` has shape {tuple(jnp.shape(x))}: an empty batch has no "
+                f"batch statistics, and training on it would write NaN into the "
+                f"running averages. Skip the call, or pass "
+                f"use_running_average=True."
+            )
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
         running_mean, running_var = self.mean[...], self.var[...]

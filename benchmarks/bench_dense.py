@@ -31,7 +31,9 @@ SHAPES = [
     (4, 32, 4096, 4096),
     (16, 64, 512, 512),
 ]
-MODES = ("forward", "forward_backward")
+# "train": the gradient of the parameters only (a first layer, whose inputs need
+# none); "forward_backward": of the parameters and the inputs (a hidden layer).
+MODES = ("forward", "train", "forward_backward")
 
 
 def build(method, num_members, in_features, out_features, impl="auto"):
@@ -58,7 +60,8 @@ def compiled_step(module, mode):
         # would drop nn.Linear's forward matmul (its gradient ignores y).
         return 0.5 * jnp.sum(jnp.square(forward(params, x)))
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+    argnums = 0 if mode == "train" else (0, 1)
+    return jax.jit(jax.grad(loss, argnums=argnums)), params
 
 
 def case(method, mode, shape, impl="auto"):

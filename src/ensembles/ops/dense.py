@@ -36,7 +36,7 @@ from ensembles._checks import (
     check_member_params,
     check_num_members,
 )
-from ensembles.ops import pallas
+from ensembles.ops import dense_xla, pallas
 from ensembles.ops.dispatch import IMPLS, check_impl, resolve_impl
 
 __all__ = [
@@ -79,24 +79,20 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
 
 
 def _dense_by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    """The one-device formulation: members split off by reshapes."""
-    num_members, in_features = r.shape
-    out_features = kernel.shape[1]
-    # Scale in the [E, rows, in] view, multiply in the flat [E*rows, in] view:
-    # XLA fuses the scalings into one loop each and keeps a single 2-D dot,
-    # which is measurably cheaper (forward and backward) than a 3-D einsum.
-    members = inputs.reshape(num_members, -1, in_features) * r[:, None, :]
-    y = lax.dot_general(
-        members.reshape(-1, in_features),
+    """The one-device formulation: members split off by reshapes.
+
+    Which formulation runs, forward and backward, is chosen per backend and
+    shape by the cost model of :mod:`ensembles.ops.dense_xla`.
+    """
+    return dense_xla.dense_by_member(
+        inputs,
         kernel,
-        (((1,), (0,)), ((), ())),
+        r,
+        s,
+        bias,
         precision=precision,
         preferred_element_type=preferred_element_type,
     )
-    y = y.reshape(num_members, -1, out_features) * s[:, None, :]
-    if bias is not None:
-        y = y + bias[:, None, :]
-    return y.reshape(*inputs.shape[:-1], out_features)
 
 
 def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:

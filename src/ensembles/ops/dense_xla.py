@@ -1,0 +1,534 @@
+"""The ``"xla"`` dense formulations, their derivative rule and the cost model.
+
+Member ``k`` of a BatchEnsemble dense layer computes, on its rows ``x_k``::
+
+    y_k = ((x_k * r_k) @ W) * s_k  =  x_k @ (W * outer(r_k, s_k))
+
+(the bias is added by the caller). Two forward formulations compute that:
+
+* ``"scale"``: scale the activations, one 2-D matmul over all ``E*B`` rows,
+  scale again. Extra work: two passes over the activations.
+* ``"fold"``: materialise the member kernels ``W_k = W * outer(r_k, s_k)`` and
+  run one batched matmul. Extra work: one pass over ``E x in x out`` (which XLA's
+  GPU backend fuses into its Triton matmul).
+
+For the gradients write ``M_k = x_k^T g_k`` for member ``k``'s block of the
+kernel gradient before any scaling (``g_k`` its output cotangent). Then::
+
+    dW   = sum_k M_k * outer(r_k, s_k)
+    dr_k = sum_j (M_k * W)[:, j] s_k[j]
+    ds_k = sum_i (M_k * W)[i, :] r_k[i]
+
+so the gradients of the parameters can be formed in two ways:
+
+* ``"activations"``: ``dW = (x * r)^T (g * s)`` (one 2-D matmul),
+  ``dr_k = sum_b x_k * ((g_k * s_k) @ W^T)`` (needs the input-gradient matmul
+  ``u = (g * s) @ W^T``, which ``dx = u * r`` shares), ``ds_k = sum_b g_k * z_k``
+  with ``z = (x * r) @ W`` saved by the ``"scale"`` forward.
+* ``"kernels"``: one batched matmul forms every ``M_k``; ``dW``, ``dr`` and
+  ``ds`` are reductions over ``E x in x out``. No input-gradient matmul: a layer
+  whose inputs need no gradient (a first layer) does exactly the matmuls of a
+  plain dense layer, and ``dx`` (when it is needed) is ``((g * s) @ W^T) * r``.
+
+The rule is a ``jax.custom_vjp`` with symbolic zeros: its forward sees which
+of ``x``, ``W``, ``r``, ``s`` are differentiated, picks the formulation with
+:func:`choose` for exactly that case, and the backward runs it. The math of
+each formulation is written once, in :func:`_forward` and the two gradient
+functions. Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
+``jax.hessian``) of the ``"xla"`` path raises, as for any ``custom_vjp``: a
+``custom_jvp`` whose tangent transposes to the ``"kernels"`` backward was
+measured 1.5-5x slower in reverse mode on CPU (JAX's transposes materialise
+the member kernels' products), so reverse mode, what training runs, won. The
+per-member loop of ``tests/reference.py`` is the
+reference every formulation is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+__all__ = [
+    "COST_MODELS",
+    "CostModel",
+    "Formulation",
+    "Needs",
+    "choose",
+    "dense_by_member",
+    "estimate",
+]
+
+FORWARDS: tuple[str, ...] = ("scale", "fold")
+PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
+
+
+@dataclasses.dataclass(frozen=True)
+class Formulation:
+    """How the op computes its output and the gradients of its parameters.
+
+    Attributes:
+      forward: ``"scale"`` or ``"fold"`` (see the module docstring).
+      params: ``"activations"`` or ``"kernels"``: how ``dW``, ``dr`` and ``ds``
+        are formed. Irrelevant when no parameter is differentiated.
+    """
+
+    forward: str = "scale"
+    params: str = "activations"
+
+    def __post_init__(self):
+        if self.forward not in FORWARDS:
+            raise ValueError(
+                f"`forward` must be one of {FORWARDS}, got {self.forward!r}."
+            )
+        if self.params not in PARAM_GRADIENTS:
+            raise ValueError(
+                f"`params` must be one of {PARAM_GRADIENTS}, got {self.params!r}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """Which operands are differentiated (carry a tangent)."""
+
+    inputs: bool = False
+    kernel: bool = False
+    r: bool = False
+    s: bool = False
+
+    @property
+    def params(self) -> bool:
+        """Whether any of the kernel, r and s is differentiated."""
+        return self.kernel or self.r or self.s
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds per unit of work of each kind, for one backend.
+
+    A formulation's cost is the sum over its work of ``count * constant``; only
+    differences between formulations matter, so the work every formulation
+    shares (the plain matmul of the forward, ``dx``'s matmul) still counts but
+    per-call overheads common to all do not.
+
+    Attributes:
+      dot: per multiply-add of a 2-D matmul over ``E*B`` rows.
+      batched_dot: per multiply-add of the E-batched matmul of ``"kernels"``
+        (``M_k = x_k^T g_k``).
+      fold_dot: per multiply-add of the ``"fold"`` forward's batched matmul
+        against the member kernels, including forming them.
+      fold_element: per element of ``E x in x out`` when ``"fold"`` forms the
+        member kernels (GPU: fused into the matmul, so ~0).
+      activation: per element of one elementwise pass over ``[E*B, in]`` or
+        ``[E*B, out]`` (a scaling, or a product-and-row-sum).
+      kernel_element: per element of one pass over the ``E x in x out`` kernel
+        gradients ``M_k`` (a reduction to ``dW``, ``dr`` or ``ds``).
+      where: where and when the constants were measured.
+    """
+
+    dot: float
+    batched_dot: float
+    fold_dot: float
+    fold_element: float
+    activation: float
+    kernel_element: float
+    where: str = ""
+
+
+#: The measured constants, per ``jax.default_backend()``; read when tracing.
+#:
+#: ``cpu``: measured on this project's 2-core machine (jax 0.10.2, float32,
+#: 2026-11-23): medians of interleaved timings of a 2-D matmul (3.2e-11 s per
+#: multiply-add at (E*B, in, out) = (1024, 1024, 1024), 2.3-6.9e-11 elsewhere),
+#: the batched ``M_k`` matmul (3.0-3.8e-11 at B >= 64), the fold forward
+#: (2.8-6.6e-11), a scaling pass over activations (1.1-1.6e-9 s/element) and
+#: the fused ``dW``/``dr`` reductions over ``M_k`` (3.8 ms for 2 x 4M elements),
+#: at the shapes of ``benchmarks/bench_dense.py``; then checked against the
+#: whole formulations there (the choice is the measured fastest at all four
+#: shapes, forward, first-layer and hidden-layer gradients).
+#: ``gpu``: fitted to the H100 measurements of ``shared/notes/gpu.md``
+#: (2026-11-22, jax 0.11.2, bfloat16): cuBLAS at ~343e12 multiply-adds/s, an
+#: activation pass at ~3e-12 s/element (the "scale" forward's overhead at
+#: (4,1024,4096,4096) and (8,2048,1024,4096)), the fused "fold" matmul ~1.6x
+#: slower than cuBLAS at compute-bound shapes (and its kernel scaling fused
+#: away). ``kernel_element`` is not measured there: assumed equal to
+#: ``activation`` (one memory pass per element). The table picks "fold" at the
+#: four shapes where the notes measured it faster and "scale" at the fifth.
+#: ``tpu``: never measured; the GPU row, a guess.
+COST_MODELS: dict[str, CostModel] = {
+    "cpu": CostModel(
+        dot=3.2e-11,
+        batched_dot=3.5e-11,
+        fold_dot=4.0e-11,
+        fold_element=1.5e-9,
+        activation=1.0e-9,
+        kernel_element=0.5e-9,
+        where="2-core CI CPU, jax 0.10.2, float32, 2026-11-23",
+    ),
+    "gpu": CostModel(
+        dot=2.9e-15,
+        batched_dot=2.9e-15,
+        fold_dot=4.7e-15,
+        fold_element=0.0,
+        activation=3.0e-12,
+        kernel_element=3.0e-12,
+        where="H100 80GB, jax 0.11.2, bfloat16, 2026-11-22 (shared/notes/gpu.md)",
+    ),
+}
+COST_MODELS["tpu"] = dataclasses.replace(
+    COST_MODELS["gpu"], where="never measured: the GPU constants"
+)
+
+
+def estimate(
+    formulation: Formulation,
+    num_members: int,
+    rows: int,
+    in_features: int,
+    out_features: int,
+    needs: Needs,
+    model: CostModel,
+) -> float:
+    """The modelled time of ``formulation`` (forward, and backward for ``needs``).
+
+    >>> cpu = COST_MODELS["cpu"]
+    >>> first_layer = Needs(kernel=True, r=True, s=True)
+    >>> kernels = estimate(Formulation("scale", "kernels"), 4, 256, 1024, 1024,
+    ...                    first_layer, cpu)
+    >>> activations = estimate(Formulation("scale", "activations"), 4, 256,
+    ...                        1024, 1024, first_layer, cpu)
+    >>> kernels < activations      # one matmul fewer in the backward
+    True
+
+    Args:
+      formulation: the formulation to cost.
+      num_members: E.
+      rows: rows per member B (middle axes included).
+      in_features: in.
+      out_features: out.
+      needs: which operands are differentiated.
+      model: the backend's constants.
+
+    Returns:
+      Seconds, in the model.
+    """
+    members_rows = num_members * rows
+    macs = members_rows * in_features * out_features
+    activations_in = members_rows * in_features
+    activations_out = members_rows * out_features
+    member_kernels = num_members * in_features * out_features
+    if formulation.forward == "scale":
+        cost = model.dot * macs + model.activation * (activations_in + activations_out)
+    else:
+        cost = model.fold_dot * macs + model.fold_element * member_kernels
+    activation_dr = needs.r and formulation.params == "activations"
+    if needs.inputs or activation_dr:
+        # u = (g * s) @ W^T, then dx = u * r and/or dr = rowsum(u * x).
+        passes = 1 + needs.inputs + activation_dr
+        cost += model.dot * macs + model.activation * (
+            activations_out + (passes - 1) * activations_in
+        )
+    if formulation.params == "activations":
+        if needs.kernel:
+            cost += model.dot * macs + model.activation * (
+                activations_in + activations_out
+            )
+        if needs.s:
+            cost += model.activation * activations_out
+    elif needs.params:
+        # M_k (one extra pass to write it), then one reduction over it per
+        # gradient; ds reads z instead where the "scale" forward saved it.
+        s_from_kernels = needs.s and formulation.forward == "fold"
+        passes = 1 + needs.kernel + needs.r + s_from_kernels
+        cost += model.batched_dot * macs + model.kernel_element * (
+            passes * member_kernels
+        )
+        if needs.s and not s_from_kernels:
+            cost += model.activation * activations_out
+    return cost
+
+
+def _backend() -> str:
+    backend = jax.default_backend()
+    return "gpu" if backend in ("cuda", "rocm") else backend
+
+
+def choose(
+    num_members: int,
+    rows: int,
+    in_features: int,
+    out_features: int,
+    needs: Needs,
+    *,
+    can_fold: bool = True,
+    backend: str | None = None,
+) -> Formulation:
+    """The formulation the cost model of ``backend`` finds cheapest.
+
+    ``"fold"`` is only a candidate when ``can_fold`` (the operands share one
+    dtype); ``"activations"`` needs the ``"scale"`` forward when ``ds`` is
+    differentiated (its ``ds`` reads the forward's unscaled product).
+
+    >>> choose(4, 256, 1024, 1024, Needs(kernel=True, r=True, s=True),
+    ...        backend="cpu")
+    Formulation(forward='scale', params='kernels')
+    >>> choose(4, 256, 1024, 1024, Needs(inputs=True, kernel=True, r=True, s=True),
+    ...        backend="cpu")
+    Formulation(forward='scale', params='activations')
+
+    Args:
+      num_members: E.
+      rows: rows per member B (middle axes included).
+      in_features: in.
+      out_features: out.
+      needs: which operands are differentiated.
+      can_fold: whether ``"fold"`` may be used.
+      backend: a key of :data:`COST_MODELS`; default ``jax.default_backend()``
+        (unknown backends use the CPU row).
+
+    Returns:
+      The cheapest :class:`Formulation`.
+    """
+    model = COST_MODELS.get(backend or _backend(), COST_MODELS["cpu"])
+    candidates = [
+        Formulation(forward, params)
+        for forward in (FORWARDS if can_fold else ("scale",))
+        for params in (PARAM_GRADIENTS if needs.params else ("activations",))
+        if not (forward == "fold" and params == "activations" and needs.s)
+    ]
+    return min(
+        candidates,
+        key=lambda f: estimate(
+            f, num_members, rows, in_features, out_features, needs, model
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    precision: Any
+    preferred_element_type: Any
+    formulation: Formulation | None  # None: the cost model decides
+
+    def dot(self, lhs, rhs, dimension_numbers):
+        return lax.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+        )
+
+
+_FLAT = (((1,), (0,)), ((), ()))  # [rows, in] @ [in, out]
+_BATCHED = (((2,), (1,)), ((0,), (0,)))  # [E, B, in] @ [E, in, out]
+
+
+def _matmul(x3, kernel, config: _Config):
+    """``[E, B, in] @ [in, out]`` as one 2-D matmul over the flat rows."""
+    num_members, _, in_features = x3.shape
+    y = config.dot(x3.reshape(-1, in_features), kernel, _FLAT)
+    return y.reshape(num_members, -1, kernel.shape[1])
+
+
+def _member_kernels(kernel, r, s):
+    """``[E, in, out]``: ``kernel * outer(r_k, s_k)`` for every member."""
+    return kernel[None] * (r[:, :, None] * s[:, None, :])
+
+
+def _forward(x3, kernel, r, s, config: _Config, forward: str):
+    """``(y, z)``: the output and, for ``"scale"``, the unscaled product ``z``."""
+    if forward == "fold":
+        return config.dot(x3, _member_kernels(kernel, r, s), _BATCHED), None
+    # Scale in the [E, B, in] view, multiply in the flat [E*B, in] view: XLA
+    # fuses each scaling into one loop and keeps a single 2-D dot, measurably
+    # cheaper (forward and backward) than a 3-D einsum (shared/notes/pallas.md).
+    z = _matmul(x3 * r[:, None, :], kernel, config)
+    return z * s[:, None, :], z
+
+
+def _input_gradient(g, kernel, s, config: _Config):
+    """``u = (g * s) @ W^T``, ``[E, B, in]``: ``dx = u * r``, ``dr = sum_b u * x``."""
+    num_members, _, out_features = g.shape
+    scaled = (g * s[:, None, :]).reshape(-1, out_features)
+    u = lax.dot_general(
+        scaled, kernel, (((1,), (1,)), ((), ())), precision=config.precision
+    )
+    return u.reshape(num_members, -1, kernel.shape[0])
+
+
+def _sum_rows(a, b):
+    """``sum_b a * b`` per member and feature: ``[E, B, D]`` x2 -> ``[E, D]``."""
+    return lax.dot_general(
+        a, b, (((1,), (1,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32
+    )
+
+
+def _activation_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs):
+    """Parameter (and input) gradients formed in the activations' space."""
+    dx = dkernel = dr = ds = None
+    if needs.inputs or needs.r:
+        u = _input_gradient(g, kernel, s, config)
+        if needs.inputs:
+            dx = u * r[:, None, :]
+        if needs.r:
+            dr = _sum_rows(u, x3)
+    if needs.kernel:
+        in_features, out_features = kernel.shape
+        dkernel = lax.dot_general(
+            (x3 * r[:, None, :]).reshape(-1, in_features),
+            (g * s[:, None, :]).reshape(-1, out_features),
+            (((0,), (0,)), ((), ())),
+            precision=config.precision,
+        )
+    if needs.s:
+        ds = _sum_rows(g, z)
+    return dx, dkernel, dr, ds
+
+
+def _kernel_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs):
+    """Parameter gradients from the per-member kernel gradients ``M_k``."""
+    dx = dkernel = dr = ds = None
+    if needs.inputs:
+        dx = _input_gradient(g, kernel, s, config) * r[:, None, :]
+    if needs.params:
+        # M_k = x_k^T g_k, [E, in, out]: one batched matmul, the FLOPs of dW.
+        m = lax.dot_general(
+            x3, g, (((1,), (1,)), ((0,), (0,))), precision=config.precision
+        )
+        if needs.kernel:
+            # A sum over the leading axis of [E, in, out] is a slow strided
+            # reduction on XLA's CPU backend; E slices added in one fused loop
+            # are not.
+            dkernel = sum(
+                m[k] * (r[k][:, None] * s[k][None, :]) for k in range(m.shape[0])
+            )
+        if needs.r:
+            # A reduction over the minor axis, which XLA fuses with the dW loop
+            # above; over a middle axis (or as a batched matrix-vector product)
+            # it runs 2-10x slower on XLA's CPU backend.
+            dr = jnp.sum(m * (kernel[None] * s[:, None, :]), axis=2, dtype=jnp.float32)
+        if needs.s:
+            if z is not None:  # the "scale" forward: ds from z, [E, B, out]
+                ds = _sum_rows(g, z)
+            else:
+                ds = lax.dot_general(
+                    m * kernel[None],
+                    r,
+                    (((1,), (1,)), ((0,), (0,))),
+                    preferred_element_type=jnp.float32,
+                )
+    return dx, dkernel, dr, ds
+
+
+def _can_fold(x3, kernel, r, s) -> bool:
+    return len({jnp.dtype(a.dtype) for a in (x3, kernel, r, s)}) == 1
+
+
+def _pick(x3, kernel, r, s, config: _Config, needs: Needs) -> Formulation:
+    num_members, rows, in_features = x3.shape
+    can_fold = _can_fold(x3, kernel, r, s)
+    if config.formulation is not None:
+        formulation = config.formulation
+        if formulation.forward == "fold" and not can_fold:
+            formulation = dataclasses.replace(formulation, forward="scale")
+    else:
+        formulation = choose(
+            num_members, rows, in_features, kernel.shape[1], needs, can_fold=can_fold
+        )
+    if formulation.params == "activations" and needs.s:
+        # Its ds reads z, which only the "scale" forward computes.
+        formulation = dataclasses.replace(formulation, forward="scale")
+    return formulation
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dense(x3, kernel, r, s, config: _Config):
+    formulation = _pick(x3, kernel, r, s, config, Needs())
+    return _forward(x3, kernel, r, s, config, formulation.forward)[0]
+
+
+def _dense_fwd(x3, kernel, r, s, config: _Config):
+    # symbolic_zeros=True: the primals arrive wrapped, saying whether each
+    # is differentiated. That is what lets a first layer skip dx's matmul.
+    needs = Needs(x3.perturbed, kernel.perturbed, r.perturbed, s.perturbed)
+    x3, kernel, r, s = x3.value, kernel.value, r.value, s.value
+    formulation = _pick(x3, kernel, r, s, config, needs)
+    y, z = _forward(x3, kernel, r, s, config, formulation.forward)
+    if not needs.s:
+        z = None
+    # The choice travels in the residuals' tree structure (dict keys), so
+    # the backward sees it statically.
+    residuals = {formulation.params: (x3, kernel, r, s, z), _needs_key(needs): ()}
+    return y, residuals
+
+
+def _needs_key(needs: Needs) -> str:
+    return "needs:" + "".join(
+        "1" if flag else "0" for flag in (needs.inputs, needs.kernel, needs.r, needs.s)
+    )
+
+
+def _dense_bwd(config: _Config, residuals, g):
+    (needs_key,) = [key for key in residuals if key.startswith("needs:")]
+    needs = Needs(*(flag == "1" for flag in needs_key.removeprefix("needs:")))
+    params = "kernels" if "kernels" in residuals else "activations"
+    x3, kernel, r, s, z = residuals[params]
+    if isinstance(g, SymbolicZero):
+        return None, None, None, None
+    if params == "kernels":
+        grads = _kernel_gradients(x3, kernel, r, s, z, g, config, needs)
+    else:
+        grads = _activation_gradients(x3, kernel, r, s, z, g, config, needs)
+    # Cotangents in the primals' dtypes, as plain differentiation gives.
+    return tuple(
+        None if grad is None else grad.astype(primal.dtype)
+        for grad, primal in zip(grads, (x3, kernel, r, s), strict=True)
+    )
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd, symbolic_zeros=True)
+
+
+def dense_by_member(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    precision=None,
+    preferred_element_type=None,
+    formulation: Formulation | None = None,
+):
+    """The one-device ``"xla"`` formulation of ``batch_ensemble_dense``.
+
+    The rows are split into members by reshapes. ``formulation`` forces one
+    (tests, benchmarks); ``None`` lets :func:`choose` decide when tracing.
+
+    Args:
+      inputs: ``[E*B, ..., in]`` member-major activations.
+      kernel: ``[in, out]``.
+      r: ``[E, in]``.
+      s: ``[E, out]``.
+      bias: ``[E, out]`` or ``None``.
+      precision: as for ``lax.dot_general``.
+      preferred_element_type: as for ``lax.dot_general``.
+      formulation: a :class:`Formulation`, or ``None``.
+
+    Returns:
+      ``[E*B, ..., out]``.
+    """
+    num_members, in_features = r.shape
+    out_features = kernel.shape[1]
+    x3 = inputs.reshape(num_members, -1, in_features)
+    config = _Config(precision, preferred_element_type, formulation)
+    y = _dense(x3, kernel, r, s, config)
+    if bias is not None:
+        y = y + bias[:, None, :]
+    return y.reshape(*inputs.shape[:-1], out_features)

@@ -29,7 +29,9 @@ SHAPES = [
     (4, 32, 32, 32, 64, 64, 3),
     (4, 16, 16, 16, 128, 128, 3),
 ]
-MODES = ("forward", "forward_backward")
+# "train": the gradient of the parameters only (a first layer, whose inputs need
+# none); "forward_backward": of the parameters and the inputs (a hidden layer).
+MODES = ("forward", "train", "forward_backward")
 
 
 def build(method, shape, impl="auto"):
@@ -62,7 +64,8 @@ def compiled_step(module, mode):
         # could drop nnx.Conv's forward convolution (its gradient ignores y).
         return 0.5 * jnp.sum(jnp.square(forward(params, x)))
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1))), params
+    argnums = 0 if mode == "train" else (0, 1)
+    return jax.jit(jax.grad(loss, argnums=argnums)), params
 
 
 def case(method, mode, shape, impl="auto"):

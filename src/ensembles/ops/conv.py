@@ -42,6 +42,10 @@ from ensembles._checks import (
     check_num_members,
     check_positive_int,
 )
+from ensembles.ops.conv_xla import (
+    ConvSpec,
+    conv_by_member,
+)
 
 __all__ = [
     "IMPLS",
@@ -57,14 +61,6 @@ IMPLS: tuple[str, ...] = ("auto", "xla")
 
 IntOrSequence = int | Sequence[int] | None
 PaddingLike = str | int | Sequence[int | tuple[int, int]]
-
-
-def _channels_last_dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
-    """``[N, *spatial, C]`` inputs and outputs, ``[*spatial, in, out]`` kernels."""
-    spatial = tuple(range(1, ndim - 1))
-    lhs = (0, ndim - 1, *spatial)
-    rhs = (ndim - 1, ndim - 2, *range(ndim - 2))
-    return lax.ConvDimensionNumbers(lhs, rhs, lhs)
 
 
 def check_impl(impl: str) -> str:
@@ -225,23 +221,27 @@ def _check_shapes(
 
 
 def _to_members(inputs, r, rank):
-    """Flattens batch axes to one and scales input channels by ``r``."""
+    """Flattens batch axes to one and scales input channels by ``r`` (if given)."""
+    spatial_and_channels = inputs.shape[-rank - 1 :]
+    x = inputs.reshape(-1, *spatial_and_channels)
+    if r is None:
+        return x
     num_members, in_features = r.shape
-    spatial = inputs.shape[-rank - 1 : -1]
-    x = inputs.reshape(num_members, -1, *spatial, in_features)
+    x = x.reshape(num_members, -1, *spatial_and_channels)
     x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
-    return x.reshape(-1, *spatial, in_features)
+    return x.reshape(-1, *spatial_and_channels)
 
 
 def _from_members(y, s, bias, batch_shape):
-    """Scales output channels by ``s``, adds ``bias``, restores batch axes."""
-    num_members, out_features = s.shape
-    per_member = (num_members, -1, *y.shape[1:])
-    ones = (1,) * (y.ndim - 1)
-    y = y.reshape(per_member) * s.reshape(num_members, *ones, out_features)
-    if bias is not None:
-        y = y + bias.reshape(num_members, *ones, out_features)
-    return y.reshape(*batch_shape, *y.shape[2:])
+    """Scales channels by ``s`` (if given), adds ``bias``, restores batch axes."""
+    for weights, combine in ((s, jnp.multiply), (bias, jnp.add)):
+        if weights is not None:
+            num_members, out_features = weights.shape
+            ones = (1,) * (y.ndim - 1)
+            per_member = y.reshape(num_members, -1, *y.shape[1:])
+            y = combine(per_member, weights.reshape(num_members, *ones, out_features))
+            y = y.reshape(-1, *y.shape[2:])
+    return y.reshape(*batch_shape, *y.shape[1:])
 
 
 def _conv_xla(
@@ -261,7 +261,8 @@ def _conv_xla(
 ):
     rank = kernel.ndim - 2
     batch_shape = inputs.shape[: -rank - 1]
-    x = _to_members(inputs, r, rank)
+    # conv_by_member scales by r and s (its backward needs them unapplied).
+    x = _to_members(inputs, None, rank)
     if padding in ("CIRCULAR", "REFLECT"):
         # As nnx.Conv: pad by the dilated kernel's half-widths, then VALID.
         dilated = [
@@ -276,19 +277,17 @@ def _conv_xla(
         left = kernel_dilation[0] * (kernel.shape[0] - 1)
         x = jnp.pad(x, [(0, 0), (left, 0), (0, 0)])
         padding = "VALID"
-    y = lax.conv_general_dilated(
-        x,
-        kernel,
+    spec = ConvSpec(
         strides,
         padding,
-        lhs_dilation=input_dilation,
-        rhs_dilation=kernel_dilation,
-        dimension_numbers=_channels_last_dimension_numbers(x.ndim),
-        feature_group_count=feature_group_count,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
+        input_dilation,
+        kernel_dilation,
+        feature_group_count,
+        precision,
+        preferred_element_type,
     )
-    return _from_members(y, s, bias, batch_shape)
+    y = conv_by_member(x, kernel, r, s, spec)
+    return _from_members(y, None, bias, batch_shape)
 
 
 def batch_ensemble_conv(

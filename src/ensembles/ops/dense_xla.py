@@ -106,6 +106,26 @@ class Needs:
         """Whether any of the kernel, r and s is differentiated."""
         return self.kernel or self.r or self.s
 
+    @classmethod
+    def of(cls, *primals) -> Needs:
+        """From the ``CustomVJPPrimal`` wrappers of a ``symbolic_zeros`` rule."""
+        return cls(*(primal.perturbed for primal in primals))
+
+    def key(self) -> str:
+        """A residual dict key that carries these flags to the backward rule.
+
+        A ``custom_vjp`` backward sees only its residuals; the flags travel
+        in their tree structure (a dict key), so they stay static.
+        """
+        flags = (self.inputs, self.kernel, self.r, self.s)
+        return "needs:" + "".join("1" if flag else "0" for flag in flags)
+
+    @classmethod
+    def from_residuals(cls, residuals: dict) -> Needs:
+        """The flags stored by :meth:`key` in a residual dict."""
+        (key,) = [key for key in residuals if key.startswith("needs:")]
+        return cls(*(flag == "1" for flag in key.removeprefix("needs:")))
+
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
@@ -456,7 +476,7 @@ def _dense(x3, kernel, r, s, config: _Config):
 def _dense_fwd(x3, kernel, r, s, config: _Config):
     # symbolic_zeros=True: the primals arrive wrapped, saying whether each
     # is differentiated. That is what lets a first layer skip dx's matmul.
-    needs = Needs(x3.perturbed, kernel.perturbed, r.perturbed, s.perturbed)
+    needs = Needs.of(x3, kernel, r, s)
     x3, kernel, r, s = x3.value, kernel.value, r.value, s.value
     formulation = _pick(x3, kernel, r, s, config, needs)
     y, z = _forward(x3, kernel, r, s, config, formulation.forward)
@@ -464,19 +484,12 @@ def _dense_fwd(x3, kernel, r, s, config: _Config):
         z = None
     # The choice travels in the residuals' tree structure (dict keys), so
     # the backward sees it statically.
-    residuals = {formulation.params: (x3, kernel, r, s, z), _needs_key(needs): ()}
+    residuals = {formulation.params: (x3, kernel, r, s, z), needs.key(): ()}
     return y, residuals
 
 
-def _needs_key(needs: Needs) -> str:
-    return "needs:" + "".join(
-        "1" if flag else "0" for flag in (needs.inputs, needs.kernel, needs.r, needs.s)
-    )
-
-
 def _dense_bwd(config: _Config, residuals, g):
-    (needs_key,) = [key for key in residuals if key.startswith("needs:")]
-    needs = Needs(*(flag == "1" for flag in needs_key.removeprefix("needs:")))
+    needs = Needs.from_residuals(residuals)
     params = "kernels" if "kernels" in residuals else "activations"
     x3, kernel, r, s, z = residuals[params]
     if isinstance(g, SymbolicZero):

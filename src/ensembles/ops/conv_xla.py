@@ -1,0 +1,340 @@
+"""The ``"xla"`` convolution's derivative rule: kernel gradients per member.
+
+Member ``k`` of a BatchEnsemble convolution computes, on its rows ``x_k``
+(padded as the op's padding mode asks)::
+
+    y_k = conv(x_k * r_k, W) * s_k
+
+(the bias is added by the caller). As for the dense op
+(:mod:`ensembles.ops.dense_xla`), write ``M_k`` for the gradient of a plain
+convolution's kernel on member ``k``'s rows alone (``x_k`` against the output
+cotangent ``g_k``, before any scaling). Then, with ``r`` scaling the kernel's
+input-channel axis and ``s`` its output-channel axis::
+
+    dW   = sum_k M_k * (r_k (x) s_k)
+    dr_k = sum over all but the input-channel axis of M_k * W * s_k
+    ds_k = sum over all but the output-channel axis of M_k * W * r_k
+
+Two backward formulations:
+
+* ``"activations"``: what plain differentiation of the forward does. ``dW`` is
+  one kernel-gradient convolution of ``x * r`` against ``g * s``; ``dr`` needs
+  the input-gradient convolution ``u`` (``dr_k = sum x_k * u_k``), which a
+  first layer does not otherwise compute; ``ds`` reads the forward's ``z``.
+* ``"kernels"``: E kernel-gradient convolutions of ``B`` rows each (the work of
+  one over ``E*B`` rows) give every ``M_k``; ``dW``, ``dr`` and ``ds`` are
+  reductions over ``E`` kernels. No input-gradient convolution unless ``dx``
+  itself is needed, and no activations saved for ``ds``.
+
+Only convolutions with ``feature_group_count == 1`` use ``"kernels"`` (a
+grouped kernel's input-channel axis holds ``in/G`` channels, so ``dr`` would
+need a regrouping that is not written). Which formulation runs is a measured
+table per backend (:data:`KERNELS_MEASURED`), not a cost model: the CPU numbers
+do not follow FLOPs (E kernel-gradient convolutions of ``B`` rows run faster on
+XLA's CPU backend than one of ``E*B`` rows), so only measurement can say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ensembles.ops.dense_xla import Needs
+
+__all__ = [
+    "KERNELS_MEASURED",
+    "ConvSpec",
+    "channels_last_dimension_numbers",
+    "choose",
+    "conv_by_member",
+]
+
+PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
+
+#: Whether ``"kernels"`` is measured faster than ``"activations"``, per backend
+#: and per case (a first layer: parameters only; a hidden layer: inputs too).
+#:
+#: ``cpu``: ``benchmarks/bench_conv.py`` on the 2-core CI machine (jax 0.10.2,
+#: float32, 2026-11-23), ratio of the BatchEnsembleConv gradient to an
+#: ``nnx.Conv`` gradient on the same rows, 3x3 kernels: see
+#: ``docs/fused_kernel.md`` ("The xla path's formulations") for the figures.
+#: ``gpu``/``tpu``: never measured ("activations", plain differentiation, which
+#: the H100 run measured at 1.38-1.47x one model in a train step).
+KERNELS_MEASURED: dict[str, dict[str, bool]] = {
+    "cpu": {"first": True, "hidden": True},
+    "gpu": {"first": False, "hidden": False},
+    "tpu": {"first": False, "hidden": False},
+}
+
+
+def choose(needs: Needs, feature_group_count: int, backend: str | None = None) -> str:
+    """``"activations"`` or ``"kernels"``: the measured-faster backward.
+
+    >>> choose(Needs(kernel=True, r=True, s=True), 1, backend="cpu")
+    'kernels'
+    >>> choose(Needs(kernel=True, r=True, s=True), 2, backend="cpu")  # grouped
+    'activations'
+
+    Args:
+      needs: which operands are differentiated.
+      feature_group_count: the convolution's G; only G = 1 can use
+        ``"kernels"``.
+      backend: a key of :data:`KERNELS_MEASURED`; default
+        ``jax.default_backend()`` (an unknown backend gets ``"activations"``).
+
+    Returns:
+      The name of the formulation.
+    """
+    if not needs.params or feature_group_count != 1:
+        return "activations"
+    if backend is None:
+        backend = jax.default_backend()
+        backend = "gpu" if backend in ("cuda", "rocm") else backend
+    case = "hidden" if needs.inputs else "first"
+    measured = KERNELS_MEASURED.get(backend, {})
+    return "kernels" if measured.get(case, False) else "activations"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+    """The static options of the shared convolution (hashable).
+
+    ``padding`` is what ``lax.conv_general_dilated`` takes: the op has already
+    applied the padding modes that copy values (circular, reflect, causal).
+    ``params`` forces a backward formulation (tests, benchmarks); ``None``
+    lets :func:`choose` decide.
+    """
+
+    strides: tuple[int, ...]
+    padding: Any
+    input_dilation: tuple[int, ...]
+    kernel_dilation: tuple[int, ...]
+    feature_group_count: int
+    precision: Any
+    preferred_element_type: Any
+    params: str | None = None
+
+    def __post_init__(self):
+        if self.params not in (None, *PARAM_GRADIENTS):
+            raise ValueError(
+                f"`params` must be None or one of {PARAM_GRADIENTS}, got "
+                f"{self.params!r}."
+            )
+
+    def conv(self, x, kernel):
+        """The plain convolution of channels-last ``x`` with ``kernel``."""
+        return lax.conv_general_dilated(
+            x,
+            kernel,
+            self.strides,
+            self.padding,
+            lhs_dilation=self.input_dilation,
+            rhs_dilation=self.kernel_dilation,
+            dimension_numbers=channels_last_dimension_numbers(x.ndim),
+            feature_group_count=self.feature_group_count,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+        )
+
+
+def channels_last_dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
+    """``[N, *spatial, C]`` inputs and outputs, ``[*spatial, in, out]`` kernels."""
+    spatial = tuple(range(1, ndim - 1))
+    lhs = (0, ndim - 1, *spatial)
+    rhs = (ndim - 1, ndim - 2, *range(ndim - 2))
+    return lax.ConvDimensionNumbers(lhs, rhs, lhs)
+
+
+def _per_channel(weights, like):
+    """``[E, C]`` -> broadcastable against ``[E, N, *spatial, C]`` ``like``."""
+    return weights.reshape(weights.shape[0], *(1,) * (like.ndim - 2), -1)
+
+
+def _flat(a):
+    """``[E, N, ...]`` -> ``[E*N, ...]``."""
+    return a.reshape(-1, *a.shape[2:])
+
+
+def _members(a, num_members: int):
+    """``[E*N, ...]`` -> ``[E, N, ...]``."""
+    return a.reshape(num_members, -1, *a.shape[1:])
+
+
+def _forward(x, kernel, r, s, spec: ConvSpec):
+    """``(y, z)``: the output and the unscaled convolution ``z``."""
+    z = _members(spec.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
+    return z * _per_channel(s, z), z
+
+
+def _input_gradient(scaled_x_like, kernel, gs, spec: ConvSpec):
+    """``u``: the input cotangent of ``conv(., kernel)`` at output cotangent ``gs``."""
+    flat = _flat(scaled_x_like)
+    transpose = jax.linear_transpose(
+        lambda a: spec.conv(a, kernel), jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+    )
+    (u,) = transpose(_flat(gs).astype(_out_dtype(flat, kernel, spec)))
+    return _members(u, scaled_x_like.shape[0])
+
+
+def _kernel_gradient(x_flat, kernel, g_flat, spec: ConvSpec):
+    """The kernel cotangent of ``conv(x_flat, .)`` at output cotangent ``g_flat``."""
+    transpose = jax.linear_transpose(
+        lambda k: spec.conv(x_flat, k), jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)
+    )
+    (m,) = transpose(g_flat.astype(_out_dtype(x_flat, kernel, spec)))
+    return m
+
+
+def _out_dtype(x, kernel, spec: ConvSpec):
+    return jax.eval_shape(
+        spec.conv,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct(kernel.shape, kernel.dtype),
+    ).dtype
+
+
+def _sum_to_channels(a):
+    """``[E, ..., C]`` -> ``[E, C]``, summed in float32."""
+    return jnp.sum(a, axis=tuple(range(1, a.ndim - 1)), dtype=jnp.float32)
+
+
+def _activation_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
+    dx = dkernel = dr = ds = None
+    scaled = x * _per_channel(r, x)
+    gs = g * _per_channel(s, g)
+    if needs.inputs or needs.r:
+        u = _input_gradient(scaled, kernel, gs, spec)
+        if needs.inputs:
+            dx = u * _per_channel(r, u)
+        if needs.r:
+            dr = _sum_to_channels(u * x)
+    if needs.kernel:
+        dkernel = _kernel_gradient(_flat(scaled), kernel, _flat(gs), spec)
+    if needs.s:
+        ds = _sum_to_channels(g * z)
+    return dx, dkernel, dr, ds
+
+
+def _kernel_gradients(x, kernel, r, s, g, spec: ConvSpec, needs: Needs):
+    dx = dkernel = dr = ds = None
+    if needs.inputs:
+        scaled = x * _per_channel(r, x)
+        u = _input_gradient(scaled, kernel, g * _per_channel(s, g), spec)
+        dx = u * _per_channel(r, u)
+    # M_k, one kernel-gradient convolution per member on its own B rows (the
+    # conv's input in the dtype the forward promoted it to).
+    dtype = jnp.result_type(x, r)
+    m = [
+        _kernel_gradient(x[k].astype(dtype), kernel, g[k], spec)
+        for k in range(r.shape[0])
+    ]
+    # [in] and [out] as kernel-shaped [1, ..., in, 1] and [1, ..., 1, out].
+    ones = (1,) * (kernel.ndim - 2)
+    spatial = tuple(range(kernel.ndim - 2))
+
+    def along_in(v):
+        return v.reshape(*ones, -1, 1)
+
+    def along_out(v):
+        return v.reshape(*ones, 1, -1)
+
+    if needs.kernel:
+        dkernel = sum(
+            m_k * (along_in(r[k]) * along_out(s[k])) for k, m_k in enumerate(m)
+        )
+    if needs.r:
+        dr = jnp.stack(
+            [
+                jnp.sum(
+                    m_k * kernel * along_out(s[k]),
+                    axis=(*spatial, kernel.ndim - 1),
+                    dtype=jnp.float32,
+                )
+                for k, m_k in enumerate(m)
+            ]
+        )
+    if needs.s:
+        ds = jnp.stack(
+            [
+                jnp.sum(
+                    m_k * kernel * along_in(r[k]),
+                    axis=(*spatial, kernel.ndim - 2),
+                    dtype=jnp.float32,
+                )
+                for k, m_k in enumerate(m)
+            ]
+        )
+    return dx, dkernel, dr, ds
+
+
+def _pick(spec: ConvSpec, needs: Needs) -> str:
+    if spec.params is not None:
+        if spec.params == "kernels" and spec.feature_group_count != 1:
+            return "activations"
+        return spec.params
+    return choose(needs, spec.feature_group_count)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv(x, kernel, r, s, spec: ConvSpec):
+    return _forward(x, kernel, r, s, spec)[0]
+
+
+def _conv_fwd(x, kernel, r, s, spec: ConvSpec):
+    needs = Needs.of(x, kernel, r, s)
+    x, kernel, r, s = x.value, kernel.value, r.value, s.value
+    params = _pick(spec, needs)
+    y, z = _forward(x, kernel, r, s, spec)
+    if params == "kernels" or not needs.s:
+        z = None
+    return y, {params: (x, kernel, r, s, z), needs.key(): ()}
+
+
+def _conv_bwd(spec: ConvSpec, residuals, g):
+    needs = Needs.from_residuals(residuals)
+    params = "kernels" if "kernels" in residuals else "activations"
+    x, kernel, r, s, z = residuals[params]
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return None, None, None, None
+    if params == "kernels":
+        grads = _kernel_gradients(x, kernel, r, s, g, spec, needs)
+    else:
+        grads = _activation_gradients(x, kernel, r, s, z, g, spec, needs)
+    return tuple(
+        None if grad is None else grad.astype(primal.dtype)
+        for grad, primal in zip(grads, (x, kernel, r, s), strict=True)
+    )
+
+
+_conv.defvjp(_conv_fwd, _conv_bwd, symbolic_zeros=True)
+
+
+def conv_by_member(x, kernel, r, s, spec: ConvSpec):
+    """``conv(x_k * r_k, W) * s_k`` for every member, with the rule above.
+
+    >>> import jax.numpy as jnp
+    >>> spec = ConvSpec((1,), "VALID", (1,), (1,), 1, None, None)
+    >>> x = jnp.ones((2 * 3, 5, 4))              # E=2, B=3, length 5, in=4
+    >>> y = conv_by_member(x, jnp.ones((3, 4, 2)), jnp.ones((2, 4)),
+    ...                    jnp.ones((2, 2)), spec)
+    >>> y.shape, float(y[0, 0, 0])
+    ((6, 3, 2), 12.0)
+
+    Args:
+      x: ``[E*N, *spatial, in]`` member-major, channels-last inputs, already
+        padded for the padding modes that copy values.
+      kernel: ``[*kernel_size, in/G, out]``.
+      r: ``[E, in]``.
+      s: ``[E, out]``.
+      spec: the convolution's static options.
+
+    Returns:
+      ``[E*N, *out_spatial, out]``.
+    """
+    y = _conv(_members(x, r.shape[0]), kernel, r, s, spec)
+    return _flat(y)

@@ -149,6 +149,9 @@ class CostModel:
       kernel_element: per element of one pass over the ``E x in x out`` kernel
         gradients ``M_k`` (a reduction to ``dW``, ``dr`` or ``ds``).
       where: where and when the constants were measured.
+      param_gradients: the backward formulations measured on this backend;
+        :func:`choose` considers no other (a cost model's guess never puts
+        an unmeasured formulation into a user's training step).
     """
 
     dot: float
@@ -158,6 +161,7 @@ class CostModel:
     activation: float
     kernel_element: float
     where: str = ""
+    param_gradients: tuple[str, ...] = PARAM_GRADIENTS
 
 
 #: The measured constants, per ``jax.default_backend()``; read when tracing.
@@ -176,9 +180,12 @@ class CostModel:
 #: activation pass at ~3e-12 s/element (the "scale" forward's overhead at
 #: (4,1024,4096,4096) and (8,2048,1024,4096)), the fused "fold" matmul ~1.6x
 #: slower than cuBLAS at compute-bound shapes (and its kernel scaling fused
-#: away). ``kernel_element`` is not measured there: assumed equal to
-#: ``activation`` (one memory pass per element). The table picks "fold" at the
-#: four shapes where the notes measured it faster and "scale" at the fifth.
+#: away). The table picks "fold" at the four shapes where the notes measured
+#: its forward faster and "scale" at the fifth. The "kernels" backward was
+#: never run on a GPU, so the row allows only "activations" (``param_gradients``)
+#: and training keeps the measured "scale"/"activations" step; ``kernel_element``
+#: (assumed equal to ``activation``) is what a device run of
+#: ``benchmarks/bench_dense.py`` must measure before "kernels" is allowed there.
 #: ``tpu``: never measured; the GPU row, a guess.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
@@ -198,6 +205,9 @@ COST_MODELS: dict[str, CostModel] = {
         activation=3.0e-12,
         kernel_element=3.0e-12,
         where="H100 80GB, jax 0.11.2, bfloat16, 2026-11-22 (shared/notes/gpu.md)",
+        # The H100 run measured the forwards and plain differentiation of the
+        # "scale" forward (what "activations" computes), never "kernels".
+        param_gradients=("activations",),
     ),
 }
 COST_MODELS["tpu"] = dataclasses.replace(
@@ -318,7 +328,7 @@ def choose(
     candidates = [
         Formulation(forward, params)
         for forward in (FORWARDS if can_fold else ("scale",))
-        for params in (PARAM_GRADIENTS if needs.params else ("activations",))
+        for params in (model.param_gradients if needs.params else ("activations",))
         if not (forward == "fold" and params == "activations" and needs.s)
     ]
     return min(

@@ -1,8 +1,12 @@
-"""Whole-model conversion: ``to_batch_ensemble`` and ``extract_member``.
+"""Whole-model conversion: ``to_batch_ensemble``.
 
-Both walk the model graph with ``nnx.recursive_map``, which copies the module
-structure, converts every shared submodule once and re-links every reference to
-it, and keeps ``nnx.List`` / ``nnx.Dict`` / ``nnx.Sequential`` containers intact.
+``extract_member``, its inverse, lives in :mod:`ensembles.ensemble` beside
+:class:`~ensembles.Ensemble` (which calls it) and is re-exported here.
+
+``to_batch_ensemble`` and ``extract_member`` walk the model graph with
+``nnx.recursive_map``, which copies the module structure, converts every shared
+submodule once and re-links every reference to it, and keeps ``nnx.List`` /
+``nnx.Dict`` / ``nnx.Sequential`` containers intact.
 ``recursive_map`` and ``iter_graph`` show a shared submodule under its first
 path only, so the ``only`` filter is asked about every path separately
 (:func:`_paths_to_nodes`).
@@ -18,7 +22,7 @@ from flax.nnx import filterlib
 from flax.nnx import graph as nnx_graph
 
 from ensembles._checks import check_choice, check_num_members, check_rngs
-from ensembles.ensemble import Ensemble
+from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
 from ensembles.layers.base import EnsembleModule, default_fast_weight_init
 from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
@@ -230,61 +234,3 @@ def _paths_to_nodes(model: Any) -> dict[int, list[tuple[Any, ...]]]:
 
 def _is_ensemble_layer(node: Any) -> bool:
     return isinstance(node, EnsembleModule)
-
-
-def extract_member(model: M, member: int) -> M:
-    """Returns member ``member`` of a BatchEnsemble model as a plain Flax model.
-
-    Every BatchEnsemble layer is replaced by the original Flax layer holding the
-    member's effective weights (``nnx.Linear`` with kernel
-    ``kernel * outer(r_k, s_k)`` and bias ``bias_k``; per-member norms by the
-    Flax norm with member ``k``'s scale, bias and statistics). The result maps
-    an un-tiled ``[B, ...]`` batch exactly as member ``k`` does, and as
-    ``nnx.view(model, member=k)`` does. ``model`` is not changed and shares no
-    Variables with the result.
-
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import ensembles
-    >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
-    >>> ensemble = ensembles.to_batch_ensemble(model, num_members=4,
-    ...                                        rngs=nnx.Rngs(1))
-    >>> member = ensembles.extract_member(ensemble, 2)
-    >>> type(member.layers[0]).__name__
-    'Linear'
-    >>> x = jnp.ones((5, 3))
-    >>> full = ensembles.untile(ensemble(ensembles.tile(x, 4)), 4)
-    >>> bool(jnp.allclose(member(x), full[2], atol=1e-5))
-    True
-
-    Args:
-      model: a model holding BatchEnsemble layers (e.g. from
-        :func:`to_batch_ensemble`); an :class:`ensembles.Ensemble` is unwrapped.
-      member: the member index k.
-
-    Returns:
-      The plain model of member ``k``.
-
-    Raises:
-      ValueError: if ``model`` holds no BatchEnsemble layer or ``member`` is out
-        of range for one of them.
-    """
-    found: list[str] = []
-
-    def extract(path, node):
-        if isinstance(node, Ensemble):
-            # Its model was extracted already (the walk is bottom-up).
-            return node.model
-        if _is_ensemble_layer(node):
-            found.append("/".join(map(str, path)))
-            return node.extract_member(member)
-        return node
-
-    result = nnx.recursive_map(extract, nnx.clone(model), graph=True)
-    if not found:
-        raise ValueError(
-            f"`model` ({type(model).__name__}) holds no BatchEnsemble layer: "
-            f"there is no member to extract. Convert it with "
-            f"`ensembles.to_batch_ensemble` first."
-        )
-    return result

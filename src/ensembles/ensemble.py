@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 from flax import nnx
@@ -11,7 +11,9 @@ from ensembles._checks import check_num_members
 from ensembles.layers.base import EnsembleModule, check_member
 from ensembles.members import tile, untile
 
-__all__ = ["Ensemble"]
+__all__ = ["Ensemble", "extract_member"]
+
+M = TypeVar("M")
 
 
 class Ensemble(nnx.Module):
@@ -108,6 +110,62 @@ class Ensemble(nnx.Module):
         Returns:
           ``ensembles.extract_member(self.model, member)``.
         """
-        from ensembles.convert import extract_member
-
         return extract_member(self.model, member)
+
+
+def extract_member(model: M, member: int) -> M:
+    """Returns member ``member`` of a BatchEnsemble model as a plain Flax model.
+
+    Every BatchEnsemble layer is replaced by the original Flax layer holding the
+    member's effective weights (``nnx.Linear`` with kernel
+    ``kernel * outer(r_k, s_k)`` and bias ``bias_k``; per-member norms by the
+    Flax norm with member ``k``'s scale, bias and statistics). The result maps
+    an un-tiled ``[B, ...]`` batch exactly as member ``k`` does, and as
+    ``nnx.view(model, member=k)`` does. ``model`` is not changed and shares no
+    Variables with the result.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+    >>> ensemble = ensembles.to_batch_ensemble(model, num_members=4,
+    ...                                        rngs=nnx.Rngs(1))
+    >>> member = ensembles.extract_member(ensemble, 2)
+    >>> type(member.layers[0]).__name__
+    'Linear'
+    >>> x = jnp.ones((5, 3))
+    >>> full = ensembles.untile(ensemble(ensembles.tile(x, 4)), 4)
+    >>> bool(jnp.allclose(member(x), full[2], atol=1e-5))
+    True
+
+    Args:
+      model: a model holding BatchEnsemble layers (e.g. from
+        :func:`to_batch_ensemble`); an :class:`ensembles.Ensemble` is unwrapped.
+      member: the member index k.
+
+    Returns:
+      The plain model of member ``k``.
+
+    Raises:
+      ValueError: if ``model`` holds no BatchEnsemble layer or ``member`` is out
+        of range for one of them.
+    """
+    found: list[str] = []
+
+    def extract(path, node):
+        if isinstance(node, Ensemble):
+            # Its model was extracted already (the walk is bottom-up).
+            return node.model
+        if isinstance(node, EnsembleModule):
+            found.append("/".join(map(str, path)))
+            return node.extract_member(member)
+        return node
+
+    result = nnx.recursive_map(extract, nnx.clone(model), graph=True)
+    if not found:
+        raise ValueError(
+            f"`model` ({type(model).__name__}) holds no BatchEnsemble layer: "
+            f"there is no member to extract. Convert it with "
+            f"`ensembles.to_batch_ensemble` first."
+        )
+    return result

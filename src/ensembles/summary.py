@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from ensembles.ensemble import extract_member
 from ensembles.layers.base import EnsembleModule
 from ensembles.variables import FastWeight
 
@@ -100,8 +101,6 @@ def summary(model: Any) -> EnsembleSummary:
       ValueError: if ``model`` holds no BatchEnsemble layer, or layers with
         different numbers of members.
     """
-    from ensembles.convert import extract_member
-
     layers = []
     sizes = set()
     for path, node in nnx.iter_graph(model):

@@ -266,82 +266,47 @@ class BatchEnsembleModule(EnsembleModule):
         initializer's result is checked against the shape the layer needs.
         ``rngs`` is advanced only if all of them succeed.
         """
-        with drawing_from(rngs) as draw:
-            self._init_weights_from(
-                kernel_shape=kernel_shape,
-                r_shape=r_shape,
-                s_shape=s_shape,
-                bias_shape=bias_shape,
-                use_bias=use_bias,
-                param_dtype=param_dtype,
-                kernel_init=kernel_init,
-                bias_init=bias_init,
-                r_init=r_init,
-                s_init=s_init,
-                rngs=draw,
-                kernel_metadata=kernel_metadata,
-                bias_metadata=bias_metadata,
-                fast_weight_metadata=fast_weight_metadata,
-            )
-
-    def _init_weights_from(
-        self,
-        *,
-        kernel_shape: Sequence[int],
-        r_shape: Sequence[int],
-        s_shape: Sequence[int],
-        bias_shape: Sequence[int],
-        use_bias: bool,
-        param_dtype: Any,
-        kernel_init: Callable[..., jax.Array],
-        bias_init: Callable[..., jax.Array],
-        r_init: Callable[..., jax.Array],
-        s_init: Callable[..., jax.Array],
-        rngs: nnx.Rngs,
-        kernel_metadata: Mapping[str, Any],
-        bias_metadata: Mapping[str, Any],
-        fast_weight_metadata: Mapping[str, Any],
-    ) -> None:
-        self.kernel = init_param(
-            nnx.Param,
-            kernel_init,
-            rngs.params(),
-            kernel_shape,
-            param_dtype,
-            kernel_metadata,
-            "kernel_init",
-        )
-        self.r = init_param(
-            FastWeight,
-            r_init,
-            rngs.params(),
-            r_shape,
-            param_dtype,
-            fast_weight_metadata,
-            "r_init",
-        )
-        self.s = init_param(
-            FastWeight,
-            s_init,
-            rngs.params(),
-            s_shape,
-            param_dtype,
-            fast_weight_metadata,
-            "s_init",
-        )
-        self.bias: nnx.Param[jax.Array] | None
-        if use_bias:
-            self.bias = init_param(
+        with drawing_from(rngs) as rngs:
+            self.kernel = init_param(
                 nnx.Param,
-                bias_init,
+                kernel_init,
                 rngs.params(),
-                bias_shape,
+                kernel_shape,
                 param_dtype,
-                bias_metadata,
-                "bias_init",
+                kernel_metadata,
+                "kernel_init",
             )
-        else:
-            self.bias = nnx.data(None)
+            self.r = init_param(
+                FastWeight,
+                r_init,
+                rngs.params(),
+                r_shape,
+                param_dtype,
+                fast_weight_metadata,
+                "r_init",
+            )
+            self.s = init_param(
+                FastWeight,
+                s_init,
+                rngs.params(),
+                s_shape,
+                param_dtype,
+                fast_weight_metadata,
+                "s_init",
+            )
+            self.bias: nnx.Param[jax.Array] | None
+            if use_bias:
+                self.bias = init_param(
+                    nnx.Param,
+                    bias_init,
+                    rngs.params(),
+                    bias_shape,
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
 
     def set_view(self, member: int | None = None, impl: str | None = None):
         """Class method used by ``nnx.view``.

@@ -40,18 +40,30 @@ default_bias_init = initializers.zeros_init()
 default_scale_init = initializers.ones_init()
 
 
-def _param(
-    initializer, rngs, num_members, num_features, param_dtype, metadata, name
-) -> nnx.Param:
-    return init_param(
-        nnx.Param,
-        initializer,
-        rngs.params(),
-        (num_members, num_features),
-        param_dtype,
-        metadata,
-        name,
-    )
+def _norm_params(rngs, num_members, num_features, param_dtype, **params) -> list:
+    """A norm's per-member ``[E, features]`` Params, drawn in the order given.
+
+    ``params`` maps each name (``scale``, ``bias``) to ``(use, init, metadata)``;
+    the result holds, per name, the Param or ``nnx.data(None)`` where unused.
+    ``rngs`` is advanced only if every initializer succeeds.
+    """
+    values = []
+    with drawing_from(rngs) as draw:
+        for name, (use, initializer, metadata) in params.items():
+            values.append(
+                init_param(
+                    nnx.Param,
+                    initializer,
+                    draw.params(),
+                    (num_members, num_features),
+                    param_dtype,
+                    metadata,
+                    f"{name}_init",
+                )
+                if use
+                else nnx.data(None)
+            )
+    return values
 
 
 def _check_mask(mask: Any, x: Any) -> Any:
@@ -168,33 +180,16 @@ class EnsembleLayerNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
-        with drawing_from(rngs) as draw:
-            self.scale: nnx.Param[jax.Array] | None
-            if use_scale:
-                self.scale = _param(
-                    scale_init,
-                    draw,
-                    num_members,
-                    num_features,
-                    param_dtype,
-                    scale_metadata,
-                    "scale_init",
-                )
-            else:
-                self.scale = nnx.data(None)
-            self.bias: nnx.Param[jax.Array] | None
-            if use_bias:
-                self.bias = _param(
-                    bias_init,
-                    draw,
-                    num_members,
-                    num_features,
-                    param_dtype,
-                    bias_metadata,
-                    "bias_init",
-                )
-            else:
-                self.bias = nnx.data(None)
+        self.scale: nnx.Param[jax.Array] | None
+        self.bias: nnx.Param[jax.Array] | None
+        self.scale, self.bias = _norm_params(
+            rngs,
+            num_members,
+            num_features,
+            param_dtype,
+            scale=(use_scale, scale_init, scale_metadata),
+            bias=(use_bias, bias_init, bias_metadata),
+        )
 
         self.num_features = num_features
         self.num_members = num_members
@@ -414,20 +409,14 @@ class EnsembleRMSNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
-        with drawing_from(rngs) as draw:
-            self.scale: nnx.Param[jax.Array] | None
-            if use_scale:
-                self.scale = _param(
-                    scale_init,
-                    draw,
-                    num_members,
-                    num_features,
-                    param_dtype,
-                    scale_metadata,
-                    "scale_init",
-                )
-            else:
-                self.scale = nnx.data(None)
+        self.scale: nnx.Param[jax.Array] | None
+        (self.scale,) = _norm_params(
+            rngs,
+            num_members,
+            num_features,
+            param_dtype,
+            scale=(use_scale, scale_init, scale_metadata),
+        )
 
         self.num_features = num_features
         self.num_members = num_members
@@ -658,33 +647,16 @@ class EnsembleBatchNorm(EnsembleModule):
         shape = (num_members, num_features)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))
-        with drawing_from(rngs) as draw:
-            self.scale: nnx.Param[jax.Array] | None
-            if use_scale:
-                self.scale = _param(
-                    scale_init,
-                    draw,
-                    num_members,
-                    num_features,
-                    param_dtype,
-                    scale_metadata,
-                    "scale_init",
-                )
-            else:
-                self.scale = nnx.data(None)
-            self.bias: nnx.Param[jax.Array] | None
-            if use_bias:
-                self.bias = _param(
-                    bias_init,
-                    draw,
-                    num_members,
-                    num_features,
-                    param_dtype,
-                    bias_metadata,
-                    "bias_init",
-                )
-            else:
-                self.bias = nnx.data(None)
+        self.scale: nnx.Param[jax.Array] | None
+        self.bias: nnx.Param[jax.Array] | None
+        self.scale, self.bias = _norm_params(
+            rngs,
+            num_members,
+            num_features,
+            param_dtype,
+            scale=(use_scale, scale_init, scale_metadata),
+            bias=(use_bias, bias_init, bias_metadata),
+        )
 
         self.num_features = num_features
         self.num_members = num_members

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.dense_xla import Needs
+from ensembles.ops.vjp import Needs, backward, save
 
 __all__ = [
     "KERNELS_MEASURED",
@@ -220,7 +220,8 @@ def _activation_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
     return dx, dkernel, dr, ds
 
 
-def _kernel_gradients(x, kernel, r, s, g, spec: ConvSpec, needs: Needs):
+def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
+    del z  # ds comes from M_k: no activations are saved
     dx = dkernel = dr = ds = None
     if needs.inputs:
         scaled = x * _per_channel(r, x)
@@ -235,7 +236,6 @@ def _kernel_gradients(x, kernel, r, s, g, spec: ConvSpec, needs: Needs):
     ]
     # [in] and [out] as kernel-shaped [1, ..., in, 1] and [1, ..., 1, out].
     ones = (1,) * (kernel.ndim - 2)
-    spatial = tuple(range(kernel.ndim - 2))
 
     def along_in(v):
         return v.reshape(*ones, -1, 1)
@@ -247,28 +247,21 @@ def _kernel_gradients(x, kernel, r, s, g, spec: ConvSpec, needs: Needs):
         dkernel = sum(
             m_k * (along_in(r[k]) * along_out(s[k])) for k, m_k in enumerate(m)
         )
+
+    def per_member(weights_of, keep_axis):
+        """``[E, C]``: ``sum(M_k * W * weights_of(k))`` over all axes but one."""
+        axes = tuple(a for a in range(kernel.ndim) if a != keep_axis)
+        return jnp.stack(
+            [
+                jnp.sum(m_k * kernel * weights_of(k), axis=axes, dtype=jnp.float32)
+                for k, m_k in enumerate(m)
+            ]
+        )
+
     if needs.r:
-        dr = jnp.stack(
-            [
-                jnp.sum(
-                    m_k * kernel * along_out(s[k]),
-                    axis=(*spatial, kernel.ndim - 1),
-                    dtype=jnp.float32,
-                )
-                for k, m_k in enumerate(m)
-            ]
-        )
+        dr = per_member(lambda k: along_out(s[k]), kernel.ndim - 2)
     if needs.s:
-        ds = jnp.stack(
-            [
-                jnp.sum(
-                    m_k * kernel * along_in(r[k]),
-                    axis=(*spatial, kernel.ndim - 2),
-                    dtype=jnp.float32,
-                )
-                for k, m_k in enumerate(m)
-            ]
-        )
+        ds = per_member(lambda k: along_in(r[k]), kernel.ndim - 1)
     return dx, dkernel, dr, ds
 
 
@@ -292,22 +285,19 @@ def _conv_fwd(x, kernel, r, s, spec: ConvSpec):
     y, z = _forward(x, kernel, r, s, spec)
     if params == "kernels" or not needs.s:
         z = None
-    return y, {params: (x, kernel, r, s, z), needs.key(): ()}
+    return y, save(params, needs, (x, kernel, r, s, z))
 
 
 def _conv_bwd(spec: ConvSpec, residuals, g):
-    needs = Needs.from_residuals(residuals)
-    params = "kernels" if "kernels" in residuals else "activations"
-    x, kernel, r, s, z = residuals[params]
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        return None, None, None, None
-    if params == "kernels":
-        grads = _kernel_gradients(x, kernel, r, s, g, spec, needs)
-    else:
-        grads = _activation_gradients(x, kernel, r, s, z, g, spec, needs)
-    return tuple(
-        None if grad is None else grad.astype(primal.dtype)
-        for grad, primal in zip(grads, (x, kernel, r, s), strict=True)
+    return backward(
+        residuals,
+        g,
+        {
+            "kernels": lambda ops, g, needs: _kernel_gradients(*ops, g, spec, needs),
+            "activations": lambda ops, g, needs: _activation_gradients(
+                *ops, g, spec, needs
+            ),
+        },
     )
 
 

@@ -52,7 +52,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
+
+from ensembles.ops.vjp import Needs, backward, save
 
 __all__ = [
     "COST_MODELS",
@@ -90,41 +91,6 @@ class Formulation:
             raise ValueError(
                 f"`params` must be one of {PARAM_GRADIENTS}, got {self.params!r}."
             )
-
-
-@dataclasses.dataclass(frozen=True)
-class Needs:
-    """Which operands are differentiated (carry a tangent)."""
-
-    inputs: bool = False
-    kernel: bool = False
-    r: bool = False
-    s: bool = False
-
-    @property
-    def params(self) -> bool:
-        """Whether any of the kernel, r and s is differentiated."""
-        return self.kernel or self.r or self.s
-
-    @classmethod
-    def of(cls, *primals) -> Needs:
-        """From the ``CustomVJPPrimal`` wrappers of a ``symbolic_zeros`` rule."""
-        return cls(*(primal.perturbed for primal in primals))
-
-    def key(self) -> str:
-        """A residual dict key that carries these flags to the backward rule.
-
-        A ``custom_vjp`` backward sees only its residuals; the flags travel
-        in their tree structure (a dict key), so they stay static.
-        """
-        flags = (self.inputs, self.kernel, self.r, self.s)
-        return "needs:" + "".join("1" if flag else "0" for flag in flags)
-
-    @classmethod
-    def from_residuals(cls, residuals: dict) -> Needs:
-        """The flags stored by :meth:`key` in a residual dict."""
-        (key,) = [key for key in residuals if key.startswith("needs:")]
-        return cls(*(flag == "1" for flag in key.removeprefix("needs:")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,26 +458,19 @@ def _dense_fwd(x3, kernel, r, s, config: _Config):
     y, z = _forward(x3, kernel, r, s, config, formulation.forward)
     if not needs.s:
         z = None
-    # The choice travels in the residuals' tree structure (dict keys), so
-    # the backward sees it statically.
-    residuals = {formulation.params: (x3, kernel, r, s, z), needs.key(): ()}
-    return y, residuals
+    return y, save(formulation.params, needs, (x3, kernel, r, s, z))
 
 
 def _dense_bwd(config: _Config, residuals, g):
-    needs = Needs.from_residuals(residuals)
-    params = "kernels" if "kernels" in residuals else "activations"
-    x3, kernel, r, s, z = residuals[params]
-    if isinstance(g, SymbolicZero):
-        return None, None, None, None
-    if params == "kernels":
-        grads = _kernel_gradients(x3, kernel, r, s, z, g, config, needs)
-    else:
-        grads = _activation_gradients(x3, kernel, r, s, z, g, config, needs)
-    # Cotangents in the primals' dtypes, as plain differentiation gives.
-    return tuple(
-        None if grad is None else grad.astype(primal.dtype)
-        for grad, primal in zip(grads, (x3, kernel, r, s), strict=True)
+    return backward(
+        residuals,
+        g,
+        {
+            "kernels": lambda ops, g, needs: _kernel_gradients(*ops, g, config, needs),
+            "activations": lambda ops, g, needs: _activation_gradients(
+                *ops, g, config, needs
+            ),
+        },
     )
 
 

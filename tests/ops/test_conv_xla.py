@@ -27,6 +27,7 @@ from ensembles.ops.conv_xla import (
     choose,
 )
 from ensembles.ops.dense_xla import Needs
+from tests.jaxprs import equations
 from tests.reference import conv_effective_kernel
 from tests.tolerances import assert_close, assert_close_to_scale
 
@@ -331,34 +332,10 @@ def test_through_batch_ensemble_conv(case, argnums):
 # --- conv counts ------------------------------------------------------------
 
 
-def _subjaxprs(value):
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _subjaxprs(item)
-    elif isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-
-
 def _convs(closed_jaxpr):
-    """Output shapes of every ``conv_general_dilated``, recursively.
-
-    Walks into ``pjit``, ``custom_vjp_call`` and any other primitive that
-    carries sub-jaxprs.
-    """
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "conv_general_dilated":
-                found.append(tuple(eqn.outvars[0].aval.shape))
-            for param in eqn.params.values():
-                for sub in _subjaxprs(param):
-                    walk(sub)
-
-    walk(closed_jaxpr.jaxpr)
-    return found
+    """Output shapes of every ``conv_general_dilated``, recursively."""
+    eqns = equations(closed_jaxpr, "conv_general_dilated")
+    return [tuple(eqn.outvars[0].aval.shape) for eqn in eqns]
 
 
 # E=3, B=4, 8x6 pixels, 3x3 kernel, in=4, out=5: the forward's output

@@ -26,6 +26,7 @@ from ensembles.ops.dense_xla import (
     choose,
     estimate,
 )
+from tests.jaxprs import equations
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close, assert_close_to_scale
 
@@ -240,39 +241,17 @@ def test_mixed_dtypes_fold_falls_back_to_scale():
 # --- dot counts -------------------------------------------------------------
 
 
-def _subjaxprs(value):
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _subjaxprs(item)
-    elif isinstance(value, jax.extend.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
-        yield value
-
-
 def _dots(closed_jaxpr):
-    """``(operand shapes, non-batch dims)`` of every ``dot_general``, recursively.
-
-    Walks into ``pjit``, ``custom_vjp_call`` and any other primitive that
-    carries sub-jaxprs.
-    """
+    """``(operand shapes, non-batch dims)`` of every ``dot_general``."""
     found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                (_, (lhs_batch, rhs_batch)) = eqn.params["dimension_numbers"]
-                shapes = tuple(tuple(v.aval.shape) for v in eqn.invars)
-                free = tuple(
-                    tuple(d for i, d in enumerate(shape) if i not in batch)
-                    for shape, batch in zip(shapes, (lhs_batch, rhs_batch), strict=True)
-                )
-                found.append((shapes, free))
-            for param in eqn.params.values():
-                for sub in _subjaxprs(param):
-                    walk(sub)
-
-    walk(closed_jaxpr.jaxpr)
+    for eqn in equations(closed_jaxpr, "dot_general"):
+        (_, (lhs_batch, rhs_batch)) = eqn.params["dimension_numbers"]
+        shapes = tuple(tuple(v.aval.shape) for v in eqn.invars)
+        free = tuple(
+            tuple(d for i, d in enumerate(shape) if i not in batch)
+            for shape, batch in zip(shapes, (lhs_batch, rhs_batch), strict=True)
+        )
+        found.append((shapes, free))
     return found
 
 

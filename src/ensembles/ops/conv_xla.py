@@ -289,16 +289,11 @@ def _conv_fwd(x, kernel, r, s, spec: ConvSpec):
 
 
 def _conv_bwd(spec: ConvSpec, residuals, g):
-    return backward(
-        residuals,
-        g,
-        {
-            "kernels": lambda ops, g, needs: _kernel_gradients(*ops, g, spec, needs),
-            "activations": lambda ops, g, needs: _activation_gradients(
-                *ops, g, spec, needs
-            ),
-        },
-    )
+    formulations = {
+        "kernels": _kernel_gradients,
+        "activations": _activation_gradients,
+    }
+    return backward(residuals, g, formulations, spec)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd, symbolic_zeros=True)

@@ -462,16 +462,11 @@ def _dense_fwd(x3, kernel, r, s, config: _Config):
 
 
 def _dense_bwd(config: _Config, residuals, g):
-    return backward(
-        residuals,
-        g,
-        {
-            "kernels": lambda ops, g, needs: _kernel_gradients(*ops, g, config, needs),
-            "activations": lambda ops, g, needs: _activation_gradients(
-                *ops, g, config, needs
-            ),
-        },
-    )
+    formulations = {
+        "kernels": _kernel_gradients,
+        "activations": _activation_gradients,
+    }
+    return backward(residuals, g, formulations, config)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd, symbolic_zeros=True)

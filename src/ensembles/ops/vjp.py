@@ -70,16 +70,18 @@ def save(formulation: str, needs: Needs, operands: tuple) -> dict[str, Any]:
 def backward(
     residuals: Mapping[str, Any],
     g: Any,
-    formulations: Mapping[str, Callable[[tuple, Any, Needs], tuple]],
+    formulations: Mapping[str, Callable[..., tuple]],
+    config: Any,
 ) -> tuple:
     """Runs the formulation :func:`save` named; cotangents in primal dtypes.
 
     Args:
       residuals: what :func:`save` returned.
       g: the output cotangent (possibly a ``SymbolicZero``).
-      formulations: name -> ``fn(operands, g, needs)`` returning the
-        cotangents of ``(inputs, kernel, r, s)``, ``None`` for those not
+      formulations: name -> ``fn(*operands, g, config, needs)`` returning
+        the cotangents of ``(inputs, kernel, r, s)``, ``None`` for those not
         differentiated.
+      config: the op's static options, passed through.
 
     Returns:
       The four cotangents.
@@ -89,7 +91,7 @@ def backward(
     operands = residuals[name]
     if isinstance(g, SymbolicZero):
         return None, None, None, None
-    grads = formulations[name](operands, g, needs)
+    grads = formulations[name](*operands, g, config, needs)
     return tuple(
         None if grad is None else grad.astype(primal.dtype)
         for grad, primal in zip(grads, operands[:4], strict=True)

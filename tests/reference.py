@@ -129,3 +129,18 @@ def flax_rows_reference(template, member_state, inputs, num_members, **call_kwar
         module = nnx.merge(graphdef, nnx.State(member_state(k)))
         outputs.append(module(inputs[k * batch : (k + 1) * batch], **call_kwargs))
     return jnp.concatenate(outputs)
+
+
+def random_cotangent(shape):
+    """A fixed float32 output cotangent of ``shape``."""
+    return jnp.asarray(np.random.default_rng(17).standard_normal(shape), jnp.float32)
+
+
+def cotangent_loss(fn, cotangent):
+    """``(sum(fn(*a) * cotangent), fn(*a))``: its gradient is ``fn``'s VJP."""
+
+    def loss(*a):
+        y = fn(*a)
+        return jnp.sum(y.astype(jnp.float32) * cotangent), y
+
+    return loss

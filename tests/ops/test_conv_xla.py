@@ -28,7 +28,7 @@ from ensembles.ops.conv_xla import (
 )
 from ensembles.ops.dense_xla import Needs
 from tests.jaxprs import equations
-from tests.reference import conv_effective_kernel
+from tests.reference import conv_effective_kernel, cotangent_loss, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -157,18 +157,6 @@ def _reference_fn(case: Case):
     return ref
 
 
-def _cotangent(shape):
-    return jnp.asarray(np.random.default_rng(17).standard_normal(shape), jnp.float32)
-
-
-def _loss(fn, cotangent):
-    def loss(*a):
-        y = fn(*a)
-        return jnp.sum(y.astype(jnp.float32) * cotangent), y
-
-    return loss
-
-
 @functools.cache
 def _reference(case: Case, with_bias: bool):
     """Output and gradients w.r.t. all operands, in float32 (cached).
@@ -181,9 +169,11 @@ def _reference(case: Case, with_bias: bool):
         bias = jnp.zeros_like(bias)
     ref = _reference_fn(case)
     y = jax.jit(ref)(x, kernel, r, s, bias)
-    cotangent = _cotangent(y.shape)
+    cotangent = random_cotangent(y.shape)
     argnums = tuple(range(5 if with_bias else 4))
-    fn = jax.value_and_grad(_loss(ref, cotangent), argnums=argnums, has_aux=True)
+    fn = jax.value_and_grad(
+        cotangent_loss(ref, cotangent), argnums=argnums, has_aux=True
+    )
     (_, y), grads = jax.jit(fn)(x, kernel, r, s, bias)
     return y, grads
 
@@ -218,7 +208,7 @@ def _check(case: Case, argnums, params, jit=True, primal=False):
         return conv_xla.conv_by_member(*a, spec)
 
     grad_op = jax.value_and_grad(
-        _loss(op, _cotangent(y_ref.shape)), argnums=argnums, has_aux=True
+        cotangent_loss(op, random_cotangent(y_ref.shape)), argnums=argnums, has_aux=True
     )
     if jit:
         grad_op, op = jax.jit(grad_op), jax.jit(op)
@@ -323,7 +313,7 @@ def test_through_batch_ensemble_conv(case, argnums):
         )
 
     fn = jax.value_and_grad(
-        _loss(op, _cotangent(y_ref.shape)), argnums=argnums, has_aux=True
+        cotangent_loss(op, random_cotangent(y_ref.shape)), argnums=argnums, has_aux=True
     )
     (_, y), grads = jax.jit(fn)(*args)
     _compare(case, args, argnums, y, grads)

@@ -13,7 +13,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from ensembles.ops import batch_ensemble_dense, dense_xla
@@ -27,7 +26,7 @@ from ensembles.ops.dense_xla import (
     estimate,
 )
 from tests.jaxprs import equations
-from tests.reference import dense_reference, make_args
+from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
@@ -69,18 +68,6 @@ def _args(seed, num_members, batch, middle, dtype, in_features=7, out_features=5
     )
 
 
-def _cotangent(shape):
-    return jnp.asarray(np.random.default_rng(17).standard_normal(shape), jnp.float32)
-
-
-def _loss(fn, cotangent):
-    def loss(*a):
-        y = fn(*a)
-        return jnp.sum(y.astype(jnp.float32) * cotangent), y
-
-    return loss
-
-
 @functools.cache
 def _reference(seed, num_members, batch, middle, dtype):
     """Output and gradients w.r.t. all five operands, in float32 (cached).
@@ -90,9 +77,11 @@ def _reference(seed, num_members, batch, middle, dtype):
     """
     args = _args(seed, num_members, batch, middle, dtype)
     upcast = tuple(a.astype(jnp.float32) for a in args)
-    cotangent = _cotangent((*args[0].shape[:-1], args[1].shape[1]))
+    cotangent = random_cotangent((*args[0].shape[:-1], args[1].shape[1]))
     ref = lambda *a: dense_reference(*a, num_members)  # noqa: E731
-    fn = jax.value_and_grad(_loss(ref, cotangent), argnums=range(5), has_aux=True)
+    fn = jax.value_and_grad(
+        cotangent_loss(ref, cotangent), argnums=range(5), has_aux=True
+    )
     (_, y), grads = jax.jit(fn)(*upcast)
     return y, grads
 
@@ -113,12 +102,14 @@ def _check(case, argnums, formulation, jit=False, primal=True):
     args = _args(*case)
     y_ref, grads_ref = _reference(*case)
     out_shape = y_ref.shape
-    cotangent = _cotangent(out_shape)
+    cotangent = random_cotangent(out_shape)
 
     def op(*a):
         return dense_xla.dense_by_member(*a, formulation=formulation)
 
-    grad_op = jax.value_and_grad(_loss(op, cotangent), argnums=argnums, has_aux=True)
+    grad_op = jax.value_and_grad(
+        cotangent_loss(op, cotangent), argnums=argnums, has_aux=True
+    )
     if jit:
         grad_op = jax.jit(grad_op)
         op = jax.jit(op)
@@ -203,13 +194,15 @@ def test_through_batch_ensemble_dense(needs):
     case = _sweep_case(4, 5, 7)
     args = _args(*case)
     y_ref, grads_ref = _reference(*case)
-    cotangent = _cotangent(y_ref.shape)
+    cotangent = random_cotangent(y_ref.shape)
     argnums = NEEDS[needs]
 
     def op(*a):
         return batch_ensemble_dense(*a, num_members=5, impl="xla")
 
-    fn = jax.value_and_grad(_loss(op, cotangent), argnums=argnums, has_aux=True)
+    fn = jax.value_and_grad(
+        cotangent_loss(op, cotangent), argnums=argnums, has_aux=True
+    )
     (_, y), grads = jax.jit(fn)(*args)
     dtype = _tolerance_dtype(args)
     assert_close(y, y_ref, dtype, scale=4)

@@ -10,10 +10,6 @@ methods alike, and prints samples/s, ratios and memory.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +25,13 @@ from ensembles.benchmark.methods import (
     prepare_method,
 )
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
+from ensembles.benchmark.report import (
+    _describe_device,
+    _format_markdown,
+    _format_table,
+    _write_json,
+    _write_plot,
+)
 from ensembles.benchmark.timing import (
     interleaved_times,
     median,
@@ -350,188 +353,6 @@ def run_benchmark(
     return rows
 
 
-def _count(value: float) -> str:
-    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= limit:
-            return f"{value / limit:.2f}{suffix}"
-    return f"{value:.0f}"
-
-
-def _megabytes(value: int) -> str:
-    return f"{value / 2**20:.1f}"
-
-
-_COLUMNS = (
-    "E",
-    "method",
-    "ms",
-    "spread",
-    "samples/s",
-    "x single",
-    "vs deep",
-    "vs loop",
-    "params",
-    "/deep",
-    "memory MiB",
-    "/deep",
-)
-
-
-def _cells(row: dict[str, Any]) -> tuple[str, ...]:
-    spread = (row["q3_s"] - row["q1_s"]) / 2 / row["median_s"]
-    return (
-        str(row["members"]),
-        row["method"],
-        f"{1e3 * row['median_s']:.2f}",
-        f"±{100 * spread:.0f}%",
-        _count(row["samples_per_s"]),
-        f"{row['ratio_to_single']:.2f}",
-        f"{row['speedup_vs_deep_ensemble']:.2f}x",
-        f"{row['speedup_vs_deep_ensemble_loop']:.2f}x",
-        _count(row["params"]),
-        f"{100 * row['params_ratio_to_deep_ensemble']:.0f}%",
-        _megabytes(row["total_bytes"]),
-        f"{100 * row['memory_ratio_to_deep_ensemble']:.0f}%",
-    )
-
-
-def _groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        key = (row["model"], row["mode"], row["batch"], row["width"], row["impl"])
-        groups.setdefault(key, []).append(row)
-    return groups
-
-
-def _title(key: tuple) -> str:
-    model, mode, batch, width, impl = key
-    return f"{model} {mode}: B={batch} per member, width {width}, impl={impl}"
-
-
-def _format_table(rows: list[dict[str, Any]]) -> str:
-    """Renders rows of :func:`run_benchmark` as aligned text, one block per group.
-
-    Args:
-      rows: the rows.
-
-    Returns:
-      The table; ``spread`` is half the interquartile range over the median.
-    """
-    blocks = []
-    for key, group in _groups(rows).items():
-        cells = [_COLUMNS, *(_cells(row) for row in group)]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
-        lines = [
-            "  ".join(
-                c.ljust(w) if i == 1 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(line, widths, strict=True))
-            )
-            for line in cells
-        ]
-        blocks.append("\n".join([_title(key), *lines]))
-    return "\n\n".join(blocks)
-
-
-def _format_markdown(rows: list[dict[str, Any]]) -> str:
-    """Renders rows of :func:`run_benchmark` as Markdown tables, one per group.
-
-    Args:
-      rows: the rows.
-
-    Returns:
-      The Markdown text.
-    """
-    blocks = []
-    for key, group in _groups(rows).items():
-        lines = [
-            f"**{_title(key)}**",
-            "",
-            "| " + " | ".join(_COLUMNS) + " |",
-            "|" + "|".join("---:" if i != 1 else ":---" for i in range(12)) + "|",
-            *("| " + " | ".join(_cells(row)) + " |" for row in group),
-        ]
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def _describe_device() -> dict[str, Any]:
-    """The device the benchmark runs on, and the host.
-
-    Returns:
-      ``platform``, ``device_kind``, ``device_count``, ``host`` (the CPU) and
-      ``cpu_count``.
-    """
-    device = jax.devices()[0]
-    return {
-        "platform": device.platform,
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-        "host": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-
-
-def _versions() -> dict[str, str]:
-    import flax
-    import jaxlib
-    import numpy
-
-    versions = {
-        "python": platform.python_version(),
-        "ensembles": ensembles.__version__,
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "numpy": numpy.__version__,
-    }
-    try:
-        import optax
-
-        versions["optax"] = optax.__version__
-    except ImportError:
-        pass
-    return versions
-
-
-def _write_plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Plots throughput and memory against E, one row of panels per group.
-
-    Args:
-      rows: rows of :func:`run_benchmark`.
-      path: the PNG to write.
-    """
-    from matplotlib.figure import Figure
-
-    groups = _groups(rows)
-    figure = Figure(figsize=(10, 3.6 * len(groups)), layout="constrained")
-    axes = figure.subplots(len(groups), 2, squeeze=False)
-    for (throughput, memory), (key, group) in zip(axes, groups.items(), strict=True):
-        for method in METHODS:
-            mine = [row for row in group if row["method"] == method]
-            members = [row["members"] for row in mine]
-            throughput.plot(
-                members, [row["samples_per_s"] for row in mine], "o-", label=method
-            )
-            memory.plot(
-                members,
-                [row["total_bytes"] / 2**20 for row in mine],
-                "o-",
-                label=method,
-            )
-        for ax, label in ((throughput, "member-samples / s"), (memory, "MiB")):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({row["members"] for row in group}))
-            ax.set_xticklabels(sorted({str(row["members"]) for row in group}, key=int))
-            ax.set_xlabel("ensemble size E")
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-        throughput.set_title(f"throughput ({_title(key)})", fontsize=9)
-        memory.set_title("memory (XLA: arguments + outputs + temporaries)", fontsize=9)
-        throughput.legend(fontsize=8)
-    figure.savefig(path, dpi=120)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``ensembles-bench``; see ``ensembles-bench --help``.
 
@@ -580,19 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_format_markdown(rows) if args.markdown else _format_table(rows))
     if args.json:
-        config = {
-            key: list(value) if isinstance(value, tuple) else value
-            for key, value in vars(args).items()
-        }
-        result = {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "device": device,
-            "versions": _versions(),
-            "config": config,
-            "results": rows,
-        }
-        with open(args.json, "w") as file:
-            json.dump(result, file, indent=1)
+        _write_json(rows, args.json, device=device, config=vars(args))
     if args.plot:
         _write_plot(rows, args.plot)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)

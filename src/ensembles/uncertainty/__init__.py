@@ -1,0 +1,71 @@
+"""Predictive statistics and metrics of an ensemble, from its members' logits.
+
+Every function takes the members' logits as one ``[E, B, C]`` array (members,
+examples, classes), the layout :func:`ensembles.untile` gives a model's
+member-major ``[E*B, C]`` outputs. The ensemble's prediction is the mean of the
+member softmaxes, the predictive ``p(y | x) = 1/E sum_k p_k(y | x)``.
+
+Its uncertainty splits into two parts::
+
+    total_entropy       =  expected_entropy  +  mutual_information
+    H[1/E sum_k p_k]    =  1/E sum_k H[p_k]  +  I(y; member)
+    (total)                (aleatoric)           (epistemic)
+
+``expected_entropy`` is the noise every member sees in the data (high where the
+classes overlap); ``mutual_information`` is how much the members disagree, the
+part more data or more training would remove. It is non-negative (entropy is
+concave) and is the usual score for out-of-distribution detection, ranked by
+:func:`auroc`.
+
+Everything is computed in log space (``log_softmax``, ``logsumexp`` over members
+minus ``log E``) in at least float32, so bf16 logits and logits of +-1e4 give
+finite, accurate results, and ``0 * log 0`` counts as 0. All functions can be
+wrapped in :func:`jax.jit`; ``num_bins`` of :func:`ece` is then static.
+
+Bad input never gives a finite answer. An example's logits are *invalid* when
+some member's row holds a NaN or a ``+inf``, or is ``-inf`` for every class (no
+distribution at all); ``-inf`` for some classes is a valid mask and gives those
+classes probability 0. Per-example scores are NaN for exactly the examples with
+invalid logits (the other examples are computed as if those were absent); every
+metric that aggregates over examples is NaN if any of them is invalid.
+Out-of-range labels raise a ``ValueError`` when their values are known and make
+the metric NaN under :func:`jax.jit`; :func:`auroc` is NaN if any score is NaN
+or infinite. Eager or jitted, the result is the same NaN, never a finite number
+that looks like a confident answer.
+
+>>> import jax.numpy as jnp
+>>> from ensembles import uncertainty
+>>> sure_and_agreeing = jnp.array([[[9.0, 0.0]], [[9.0, 0.0]]])
+>>> sure_and_disagreeing = jnp.array([[[9.0, 0.0]], [[0.0, 9.0]]])
+>>> logits = jnp.concatenate([sure_and_agreeing, sure_and_disagreeing], axis=1)
+>>> logits.shape  # [E, B, C]
+(2, 2, 2)
+>>> uncertainty.mutual_information(logits).round(2)
+Array([0.  , 0.69], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from ensembles.uncertainty.metrics import accuracy, auroc, brier, ece, nll
+from ensembles.uncertainty.scores import (
+    disagreement,
+    expected_entropy,
+    mutual_information,
+    predictive_probs,
+    total_entropy,
+    variance,
+)
+
+__all__ = [
+    "accuracy",
+    "auroc",
+    "brier",
+    "disagreement",
+    "ece",
+    "expected_entropy",
+    "mutual_information",
+    "nll",
+    "predictive_probs",
+    "total_entropy",
+    "variance",
+]

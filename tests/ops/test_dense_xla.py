@@ -24,6 +24,7 @@ from ensembles.ops.dense_xla import (
     Needs,
     choose,
     estimate,
+    kernels_fit,
 )
 from tests.jaxprs import equations
 from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
@@ -369,10 +370,28 @@ def test_choose_returns_the_cheapest_candidate():
                 continue
             if not needs.params and params == "kernels":
                 continue
+            if params == "kernels" and not kernels_fit(*shape):
+                continue
             other = Formulation(forward, params)
             assert estimate(chosen, *shape, needs, model) <= estimate(
                 other, *shape, needs, model
             ), (shape, needs, chosen, other)
+
+
+def test_kernels_are_never_chosen_beyond_the_memory_limit():
+    # Time alone picks "kernels" here (B = 64 rows amortise its passes), but
+    # its M_k would take 4 GiB in float32 against 64 MiB of activations.
+    needs = Needs(kernel=True, r=True, s=True)
+    shape = (16, 64, 8192, 8192)
+    model = COST_MODELS["cpu"]
+    assert estimate(Formulation("scale", "kernels"), *shape, needs, model) < estimate(
+        Formulation("scale", "activations"), *shape, needs, model
+    )
+    assert not kernels_fit(*shape)
+    assert choose(*shape, needs, backend="cpu").params == "activations"
+    # Every shape of the CPU measurements stays within the limit.
+    for measured in [(4, 256, 1024, 1024), (8, 512, 256, 256), (16, 64, 512, 512)]:
+        assert kernels_fit(*measured)
 
 
 def test_unknown_backend_uses_the_cpu_row():

@@ -63,6 +63,7 @@ __all__ = [
     "choose",
     "dense_by_member",
     "estimate",
+    "kernels_fit",
 ]
 
 FORWARDS: tuple[str, ...] = ("scale", "fold")
@@ -249,6 +250,28 @@ def estimate(
     return cost
 
 
+#: The most memory the ``"kernels"`` backward may take: its ``M_k``
+#: (``E x in x out`` values) at most this many times the layer's activations
+#: (``E*B x (in + out)``). Every shape measured in ``docs/cost.md`` is within
+#: 4; beyond, a step that fits in memory with plain differentiation could stop
+#: fitting (``E = 16``, ``B = 64``, ``in = out = 8192``: 4 GiB of ``M_k`` in
+#: float32 against 64 MiB of activations), whatever the time model says.
+MAX_KERNELS_MEMORY: float = 4.0
+
+
+def kernels_fit(
+    num_members: int, rows: int, in_features: int, out_features: int
+) -> bool:
+    """Whether the ``"kernels"`` backward stays within :data:`MAX_KERNELS_MEMORY`.
+
+    >>> kernels_fit(4, 256, 1024, 1024), kernels_fit(16, 64, 8192, 8192)
+    (True, False)
+    """
+    member_kernels = num_members * in_features * out_features
+    activations = num_members * rows * (in_features + out_features)
+    return member_kernels <= MAX_KERNELS_MEMORY * activations
+
+
 def _backend() -> str:
     backend = jax.default_backend()
     return "gpu" if backend in ("cuda", "rocm") else backend
@@ -268,7 +291,8 @@ def choose(
 
     ``"fold"`` is only a candidate when ``can_fold`` (the operands share one
     dtype); ``"activations"`` needs the ``"scale"`` forward when ``ds`` is
-    differentiated (its ``ds`` reads the forward's unscaled product).
+    differentiated (its ``ds`` reads the forward's unscaled product);
+    ``"kernels"`` only where :func:`kernels_fit` (memory, not time).
 
     >>> choose(4, 256, 1024, 1024, Needs(kernel=True, r=True, s=True),
     ...        backend="cpu")
@@ -296,6 +320,10 @@ def choose(
         for forward in (FORWARDS if can_fold else ("scale",))
         for params in (model.param_gradients if needs.params else ("activations",))
         if not (forward == "fold" and params == "activations" and needs.s)
+        and not (
+            params == "kernels"
+            and not kernels_fit(num_members, rows, in_features, out_features)
+        )
     ]
     return min(
         candidates,

@@ -220,28 +220,33 @@ def _check_shapes(
     return rank
 
 
+def _flatten_batch(inputs, rank):
+    """``[E*B, ..., *spatial, C]`` -> ``[E*B*..., *spatial, C]``."""
+    return inputs.reshape(-1, *inputs.shape[-rank - 1 :])
+
+
 def _to_members(inputs, r, rank):
-    """Flattens batch axes to one and scales input channels by ``r`` (if given)."""
-    spatial_and_channels = inputs.shape[-rank - 1 :]
-    x = inputs.reshape(-1, *spatial_and_channels)
-    if r is None:
-        return x
+    """Flattens batch axes to one and scales input channels by ``r``."""
     num_members, in_features = r.shape
-    x = x.reshape(num_members, -1, *spatial_and_channels)
+    x = _flatten_batch(inputs, rank)
+    x = x.reshape(num_members, -1, *x.shape[1:])
     x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
-    return x.reshape(-1, *spatial_and_channels)
+    return x.reshape(-1, *x.shape[2:])
 
 
 def _from_members(y, s, bias, batch_shape):
-    """Scales channels by ``s`` (if given), adds ``bias``, restores batch axes."""
-    for weights, combine in ((s, jnp.multiply), (bias, jnp.add)):
-        if weights is not None:
-            num_members, out_features = weights.shape
-            ones = (1,) * (y.ndim - 1)
-            per_member = y.reshape(num_members, -1, *y.shape[1:])
-            y = combine(per_member, weights.reshape(num_members, *ones, out_features))
-            y = y.reshape(-1, *y.shape[2:])
-    return y.reshape(*batch_shape, *y.shape[1:])
+    """Scales by ``s``, adds ``bias`` (each if given), restores the batch axes."""
+    present = [w for w in (s, bias) if w is not None]
+    if not present:
+        return y.reshape(*batch_shape, *y.shape[1:])
+    num_members, out_features = present[0].shape
+    per_member = y.reshape(num_members, -1, *y.shape[1:])
+    weights_shape = (num_members, *(1,) * (y.ndim - 1), out_features)
+    if s is not None:
+        per_member = per_member * s.reshape(weights_shape)
+    if bias is not None:
+        per_member = per_member + bias.reshape(weights_shape)
+    return per_member.reshape(*batch_shape, *y.shape[1:])
 
 
 def _conv_xla(
@@ -262,7 +267,7 @@ def _conv_xla(
     rank = kernel.ndim - 2
     batch_shape = inputs.shape[: -rank - 1]
     # conv_by_member scales by r and s (its backward needs them unapplied).
-    x = _to_members(inputs, None, rank)
+    x = _flatten_batch(inputs, rank)
     if padding in ("CIRCULAR", "REFLECT"):
         # As nnx.Conv: pad by the dilated kernel's half-widths, then VALID.
         dilated = [

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.vjp import Needs, backward, save
+from ensembles.ops.vjp import PARAM_GRADIENTS, Needs, backward, save
 
 __all__ = [
     "KERNELS_MEASURED",
@@ -54,7 +54,6 @@ __all__ = [
     "conv_by_member",
 ]
 
-PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
 
 #: Whether ``"kernels"`` is measured faster than ``"activations"``, per backend
 #: and per case (a first layer: parameters only; a hidden layer: inputs too).
@@ -92,9 +91,7 @@ def choose(needs: Needs, feature_group_count: int, backend: str | None = None) -
     """
     if not needs.params or feature_group_count != 1:
         return "activations"
-    if backend is None:
-        backend = jax.default_backend()
-        backend = "gpu" if backend in ("cuda", "rocm") else backend
+    backend = backend or jax.default_backend()
     case = "hidden" if needs.inputs else "first"
     measured = KERNELS_MEASURED.get(backend, {})
     return "kernels" if measured.get(case, False) else "activations"

@@ -78,21 +78,9 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
     )
 
 
-def _dense_by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    """The one-device formulation: members split off by reshapes.
-
-    Which formulation runs, forward and backward, is chosen per backend and
-    shape by the cost model of :mod:`ensembles.ops.dense_xla`.
-    """
-    return dense_xla.dense_by_member(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
+# The one-device formulation: members split off by reshapes; which formulation
+# runs, forward and backward, is chosen by the cost model of dense_xla.
+_dense_by_member = dense_xla.dense_by_member
 
 
 def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.vjp import Needs, backward, save
+from ensembles.ops.vjp import PARAM_GRADIENTS, Needs, backward, save
 
 __all__ = [
     "COST_MODELS",
@@ -67,7 +67,6 @@ __all__ = [
 ]
 
 FORWARDS: tuple[str, ...] = ("scale", "fold")
-PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,11 +271,6 @@ def kernels_fit(
     return member_kernels <= MAX_KERNELS_MEMORY * activations
 
 
-def _backend() -> str:
-    backend = jax.default_backend()
-    return "gpu" if backend in ("cuda", "rocm") else backend
-
-
 def choose(
     num_members: int,
     rows: int,
@@ -314,7 +308,7 @@ def choose(
     Returns:
       The cheapest :class:`Formulation`.
     """
-    model = COST_MODELS.get(backend or _backend(), COST_MODELS["cpu"])
+    model = COST_MODELS.get(backend or jax.default_backend(), COST_MODELS["cpu"])
     candidates = [
         Formulation(forward, params)
         for forward in (FORWARDS if can_fold else ("scale",))

@@ -18,7 +18,11 @@ from typing import Any
 
 from jax.custom_derivatives import SymbolicZero
 
-__all__ = ["Needs", "backward", "save"]
+__all__ = ["PARAM_GRADIENTS", "Needs", "backward", "save"]
+
+#: The backward formulations: plain differentiation's math (``"activations"``)
+#: or the per-member kernel gradients ``M_k`` (``"kernels"``).
+PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
 
 _NEEDS = "needs:"
 

@@ -31,23 +31,6 @@ def check_num_members(num_members: Any) -> int:
     return check_positive_int(num_members, "num_members")
 
 
-def check_rngs(rngs: Any, name: str = "rngs") -> Any:
-    """Checks that ``rngs`` is an ``nnx.Rngs`` (what ``rngs.params()`` needs)."""
-    from flax import nnx
-
-    if not isinstance(rngs, nnx.Rngs):
-        hint = (
-            "wrap it: `nnx.Rngs(params=key)`"
-            if hasattr(rngs, "dtype")
-            else "e.g. `nnx.Rngs(0)`"
-        )
-        raise TypeError(
-            f"`{name}` must be an `nnx.Rngs`, got {rngs!r} of type "
-            f"{type(rngs).__name__}: {hint}."
-        )
-    return rngs
-
-
 def check_member_batch(
     leading: int, num_members: int, name: str = "inputs.shape[0]"
 ) -> int:

@@ -21,10 +21,15 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx import graph as nnx_graph
 
-from ensembles._checks import check_choice, check_num_members, check_rngs
+from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
-from ensembles.layers.base import EnsembleModule, default_fast_weight_init
+from ensembles.layers.base import (
+    EnsembleModule,
+    check_rngs,
+    default_fast_weight_init,
+    drawing_from,
+)
 from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
@@ -177,10 +182,6 @@ def to_batch_ensemble(
             f"{only!r}."
         )
 
-    # Fast weights draw from a copy of `rngs`, handed back only on success: an
-    # initializer that fails halfway leaves the caller's streams where they were.
-    draw = nnx.clone(rngs)
-
     def convert(path, node):
         kind = type(node)
         # recursive_map visits a shared node once, under one of its paths (on
@@ -202,9 +203,10 @@ def to_batch_ensemble(
         return node
 
     source = model if share_weights else nnx.clone(model)
-    result = nnx.recursive_map(convert, source, graph=True)
-    nnx.update(rngs, nnx.state(draw))
-    return result
+    # Fast weights draw from a copy of `rngs`, handed back only on success: an
+    # initializer that fails halfway leaves the caller's streams where they were.
+    with drawing_from(rngs) as draw:
+        return nnx.recursive_map(convert, source, graph=True)
 
 
 def _paths_to_nodes(model: Any) -> dict[int, list[tuple[Any, ...]]]:

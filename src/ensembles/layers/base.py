@@ -26,13 +26,14 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from ensembles import initializers as fast_initializers
-from ensembles._checks import check_choice, check_rngs
+from ensembles._checks import check_choice
 from ensembles.variables import FastWeight
 
 __all__ = [
     "BatchEnsembleModule",
     "EnsembleModule",
     "check_member",
+    "check_rngs",
     "drawing_from",
     "member_axis_metadata",
     "member_copies",
@@ -66,6 +67,21 @@ def check_member(member: Any, num_members: int) -> int:
             f"`member` must be in [0, num_members) = [0, {num_members}), got {index}."
         )
     return index
+
+
+def check_rngs(rngs: Any, name: str = "rngs") -> Any:
+    """Checks that ``rngs`` is an ``nnx.Rngs`` (what ``rngs.params()`` needs)."""
+    if not isinstance(rngs, nnx.Rngs):
+        hint = (
+            "wrap it: `nnx.Rngs(params=key)`"
+            if hasattr(rngs, "dtype")
+            else "e.g. `nnx.Rngs(0)`"
+        )
+        raise TypeError(
+            f"`{name}` must be an `nnx.Rngs`, got {rngs!r} of type "
+            f"{type(rngs).__name__}: {hint}."
+        )
+    return rngs
 
 
 @contextlib.contextmanager

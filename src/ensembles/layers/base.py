@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,17 +27,20 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from ensembles import initializers as fast_initializers
-from ensembles._checks import check_choice
+from ensembles._checks import check_choice, check_num_members
 from ensembles.variables import FastWeight
 
 __all__ = [
+    "WEIGHT_OPTIONS",
     "BatchEnsembleModule",
     "EnsembleModule",
+    "ParamSpec",
     "check_member",
     "check_rngs",
     "drawing_from",
     "member_axis_metadata",
     "member_copies",
+    "member_slice",
     "shard_output",
     "without_member_axis_metadata",
 ]
@@ -188,13 +192,43 @@ def init_param(
     return variable_type(value, **metadata)
 
 
+class ParamSpec(NamedTuple):
+    """How a layer's constructor draws one parameter (see ``_init_module``).
+
+    ``per_member``: the variable has a leading member axis ``[E, *shape]``.
+    """
+
+    variable_type: type[nnx.Variable]
+    shape: Sequence[int]
+    initializer: Callable[..., jax.Array]
+    metadata: Mapping[str, Any]
+    per_member: bool = True
+
+
+def member_slice(variable: nnx.Variable, member: int) -> nnx.Variable:
+    """Member ``member``'s slice of an ``[E, ...]`` variable, of the same type."""
+    metadata = without_member_axis_metadata(variable.get_metadata())
+    return type(variable)(variable[member], **metadata)
+
+
 class EnsembleModule(nnx.Module):
     """Base of every module with per-member state: the ``member`` view.
 
-    Subclasses set ``num_members`` and ``member`` (``None``: all members on a
+    A subclass is the ensemble twin of the Flax module ``flax_module`` and says,
+    as data, what the two share; the code that uses it is written once, here:
+
+    - ``_flax_options``: the constructor arguments both take and store under
+      the same name (copied by ``from_*`` and :meth:`extract_member`);
+    - ``_member_params``: the optional ``[E, ...]`` parameters, each drawn by a
+      ``<name>_init`` argument with ``<name>_metadata`` (and, where the Flax
+      module has it, switched by ``use_<name>``); a member's slice is the Flax
+      module's parameter of the same name;
+    - ``_flax_functions``: Flax's injectable functions the twin cannot honour,
+      each with its default, ``{name: (default, shown as)}``.
+
+    A subclass sets ``num_members`` and ``member`` (``None``: all members on a
     member-major ``[E*B, ...]`` batch; ``k``: member ``k`` alone on an un-tiled
-    ``[B, ...]`` batch), read their ``[E, ...]`` arrays through
-    ``_members``, and implement :meth:`extract_member`.
+    ``[B, ...]`` batch) and reads its ``[E, ...]`` arrays through ``_members``.
 
     >>> from flax import nnx
     >>> import ensembles
@@ -208,6 +242,93 @@ class EnsembleModule(nnx.Module):
 
     num_members: int
     member: int | None
+
+    flax_module: ClassVar[type[nnx.Module]]
+    _flax_options: ClassVar[tuple[str, ...]] = ()
+    _member_params: ClassVar[tuple[str, ...]] = ()
+    _flax_functions: ClassVar[Mapping[str, tuple[Any, str]]] = MappingProxyType({})
+
+    def _init_module(
+        self, options: Mapping[str, Any], **params: ParamSpec | None
+    ) -> None:
+        """Draws ``params`` and stores the options: a constructor's shared body.
+
+        Args:
+          options: the constructor's arguments, ``locals()`` after the layer has
+            checked its own (so ``options[name]`` is the checked value). Read:
+            ``num_members``, ``rngs``, ``param_dtype`` and ``_flax_options``.
+          **params: in drawing order, each parameter's :class:`ParamSpec`, or
+            ``None`` for one the layer does not use (it becomes ``None``).
+            Every parameter draws its own key from ``rngs.params()``, and
+            ``rngs`` is advanced only if every initializer succeeds.
+        """
+        num_members = check_num_members(options["num_members"])
+        with drawing_from(options["rngs"]) as rngs:
+            values = {
+                name: nnx.data(None)
+                if spec is None
+                else init_param(
+                    spec.variable_type,
+                    spec.initializer,
+                    rngs.params(),
+                    (num_members, *spec.shape) if spec.per_member else spec.shape,
+                    options["param_dtype"],
+                    spec.metadata,
+                    f"{name}_init",
+                )
+                for name, spec in params.items()
+            }
+        for name, value in values.items():
+            setattr(self, name, value)
+        for name in self._flax_options:
+            setattr(self, name, options[name])
+        self.num_members = num_members
+        self.member = None
+
+    @classmethod
+    def _check_flax(cls, layer: Any, arg: str) -> None:
+        """Checks that ``layer`` (argument ``arg``) is a ``flax_module`` we can copy."""
+        if not isinstance(layer, cls.flax_module):
+            raise TypeError(
+                f"`{arg}` must be an `nnx.{cls.flax_module.__name__}`, got "
+                f"{type(layer).__name__}."
+            )
+        for name, (default, shown) in cls._flax_functions.items():
+            custom = getattr(layer, name, None)
+            if custom is not None and custom is not default:
+                raise ValueError(
+                    f"`{arg}.{name}` is a custom function ({custom!r}); "
+                    f"{cls.__name__} computes with `{shown}` and would silently "
+                    f"change the layer. Convert a layer built with the default "
+                    f"`{name}`."
+                )
+
+    @classmethod
+    def _flax_arguments(cls, layer: nnx.Module) -> dict[str, Any]:
+        """The constructor arguments that give every member ``layer``'s state.
+
+        ``layer``'s options and, for every member parameter, an initializer
+        copying ``layer``'s parameter to each member.
+        """
+        arguments = {name: getattr(layer, name) for name in cls._flax_options}
+        for name in cls._member_params:
+            variable = getattr(layer, name)
+            if f"use_{name}" in arguments:
+                arguments[f"use_{name}"] = variable is not None
+            arguments[f"{name}_init"], arguments[f"{name}_metadata"] = member_copies(
+                variable
+            )
+        return arguments
+
+    @classmethod
+    def _from_flax(cls, layer: nnx.Module, arg: str, **arguments: Any):
+        """``from_*``'s body: the twin of ``layer``, every member a copy of it.
+
+        ``arg`` names ``layer`` in errors; ``arguments`` are the constructor
+        arguments the Flax module does not hold.
+        """
+        cls._check_flax(layer, arg)
+        return cls(**cls._flax_arguments(layer), **arguments)
 
     def set_view(self, member: int | None = None):
         """Class method used by ``nnx.view``.
@@ -223,12 +344,30 @@ class EnsembleModule(nnx.Module):
     def extract_member(self, member: int) -> nnx.Module:
         """Returns member ``member`` as the plain Flax module it behaves as.
 
-        Subclasses implement it; the result maps an un-tiled ``[B, ...]`` batch
-        exactly as ``nnx.view(self, member=member)`` does.
+        It maps an un-tiled ``[B, ...]`` batch exactly as ``nnx.view(self,
+        member=member)`` does; this module is not changed.
+
+        Args:
+          member: the member index k, ``0 <= k < num_members``.
+
+        Returns:
+          A new ``flax_module`` holding member k's state.
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement extract_member."
+        k = check_member(member, self.num_members)
+        options = {name: getattr(self, name) for name in self._flax_options}
+        return plain_layer(
+            lambda: self.flax_module(**options, rngs=nnx.Rngs(0)),
+            **self._member_state(k),
         )
+
+    def _member_state(self, member: int) -> dict[str, Any]:
+        """What the plain module of :meth:`extract_member` holds: its variables."""
+        state = {}
+        for name in self._member_params:
+            variable = getattr(self, name)
+            if variable is not None:
+                state[name] = member_slice(variable, member)
+        return state
 
     def _members(self, *arrays: jax.Array | None) -> tuple[int, list]:
         """Returns the ensemble size to run and the ``[E, ...]`` arrays for it.
@@ -240,11 +379,34 @@ class EnsembleModule(nnx.Module):
         k = self.member
         return 1, [None if a is None else a[k : k + 1] for a in arrays]
 
+    def _member_arrays(self) -> tuple[int, list]:
+        """``_members`` of the ``_member_params`` (``None`` where unused)."""
+        return self._members(
+            *(
+                None if getattr(self, name) is None else getattr(self, name)[...]
+                for name in self._member_params
+            )
+        )
+
+
+#: The options every BatchEnsemble weight layer shares with its Flax layer.
+WEIGHT_OPTIONS = (
+    "dtype",
+    "param_dtype",
+    "precision",
+    "promote_dtype",
+    "preferred_element_type",
+)
+
 
 class BatchEnsembleModule(EnsembleModule):
     """Base of the BatchEnsemble weight layers: ``member`` and ``impl`` views.
 
-    Subclasses also set ``impl`` and the tuple ``_impls`` their op accepts.
+    A weight layer holds a shared ``kernel``, the fast weights ``r`` and ``s``
+    and an optional per-member ``bias``. Besides ``EnsembleModule``'s data it
+    sets ``_impls`` (the ``impl`` values its op accepts) and implements
+    ``_member_kernel`` (member k's effective kernel, what
+    :meth:`extract_member` stores).
 
     >>> from flax import nnx
     >>> import ensembles
@@ -256,73 +418,111 @@ class BatchEnsembleModule(EnsembleModule):
     """
 
     impl: str
-    _impls: tuple[str, ...]
+    _impls: ClassVar[tuple[str, ...]]
+    _member_params = ("bias",)
 
     def _init_weights(
         self,
+        options: Mapping[str, Any],
         *,
         kernel_shape: Sequence[int],
         r_shape: Sequence[int],
         s_shape: Sequence[int],
-        bias_shape: Sequence[int],
-        use_bias: bool,
-        param_dtype: Any,
-        kernel_init: Callable[..., jax.Array],
-        bias_init: Callable[..., jax.Array],
-        r_init: Callable[..., jax.Array],
-        s_init: Callable[..., jax.Array],
-        rngs: nnx.Rngs,
-        kernel_metadata: Mapping[str, Any],
-        bias_metadata: Mapping[str, Any],
-        fast_weight_metadata: Mapping[str, Any],
+        bias_shape: Sequence[int] | None,
+        kernel_init: Callable[..., jax.Array] | None = None,
+        bias_init: Callable[..., jax.Array] | None = None,
     ) -> None:
-        """Creates ``kernel``, ``r``, ``s`` and ``bias`` (``None`` without bias).
+        """Creates ``kernel``, ``r``, ``s`` and ``bias`` and stores the options.
 
-        Each draws its own key from ``rngs.params()``, in that order, and each
-        initializer's result is checked against the shape the layer needs.
-        ``rngs`` is advanced only if all of them succeed.
+        Args:
+          options: the constructor's ``locals()`` (see ``_init_module``); also
+            read: ``impl`` and the ``*_init`` and ``*_metadata`` arguments.
+          kernel_shape: the shared kernel's shape.
+          r_shape: one member's ``r`` (``[E, *r_shape]`` in all).
+          s_shape: one member's ``s``.
+          bias_shape: one member's bias, or ``None`` for no bias.
+          kernel_init: replaces ``options["kernel_init"]`` (e.g. a wrapper).
+          bias_init: replaces ``options["bias_init"]``.
         """
-        with drawing_from(rngs) as rngs:
-            self.kernel = init_param(
+        impl = check_choice(options["impl"], "impl", self._impls)
+        fast_metadata = options["fast_weight_metadata"]
+        self._init_module(
+            options,
+            kernel=ParamSpec(
                 nnx.Param,
-                kernel_init,
-                rngs.params(),
                 kernel_shape,
-                param_dtype,
-                kernel_metadata,
-                "kernel_init",
-            )
-            self.r = init_param(
-                FastWeight,
-                r_init,
-                rngs.params(),
-                r_shape,
-                param_dtype,
-                fast_weight_metadata,
-                "r_init",
-            )
-            self.s = init_param(
-                FastWeight,
-                s_init,
-                rngs.params(),
-                s_shape,
-                param_dtype,
-                fast_weight_metadata,
-                "s_init",
-            )
-            self.bias: nnx.Param[jax.Array] | None
-            if use_bias:
-                self.bias = init_param(
-                    nnx.Param,
-                    bias_init,
-                    rngs.params(),
-                    bias_shape,
-                    param_dtype,
-                    bias_metadata,
-                    "bias_init",
-                )
-            else:
-                self.bias = nnx.data(None)
+                kernel_init or options["kernel_init"],
+                options["kernel_metadata"],
+                per_member=False,
+            ),
+            r=ParamSpec(FastWeight, r_shape, options["r_init"], fast_metadata),
+            s=ParamSpec(FastWeight, s_shape, options["s_init"], fast_metadata),
+            bias=None
+            if bias_shape is None
+            else ParamSpec(
+                nnx.Param,
+                bias_shape,
+                bias_init or options["bias_init"],
+                options["bias_metadata"],
+            ),
+        )
+        self.impl = impl
+
+    @classmethod
+    def _flax_arguments(cls, layer: nnx.Module) -> dict[str, Any]:
+        kernel = layer.kernel
+        return {
+            **super()._flax_arguments(layer),
+            "kernel_init": lambda key, shape, dtype: jnp.reshape(kernel[...], shape),
+            "kernel_metadata": kernel.get_metadata(),
+        }
+
+    @classmethod
+    def _convert(
+        cls, layer, arg, num_members, rngs, r_init, s_init, share_kernel, impl
+    ):
+        """``from_*``'s body for a weight layer: see e.g. ``from_linear``."""
+        new = cls._from_flax(
+            layer,
+            arg,
+            num_members=num_members,
+            rngs=rngs,
+            r_init=r_init,
+            s_init=s_init,
+            impl=impl,
+        )
+        if share_kernel:
+            new.kernel = layer.kernel
+        return new
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        """Member ``member``'s effective kernel (what the plain layer holds)."""
+        raise NotImplementedError
+
+    def _member_state(self, member: int) -> dict[str, Any]:
+        kernel = nnx.Param(self._member_kernel(member), **self.kernel.get_metadata())
+        return {"kernel": kernel, **super()._member_state(member)}
+
+    def _apply(
+        self, op: Callable[..., jax.Array], inputs: jax.Array, kernel=None, **options
+    ) -> jax.Array:
+        """Runs ``op`` on the promoted operands of every member (or the viewed one).
+
+        ``kernel`` replaces the stored kernel (e.g. masked); ``options`` are the
+        op's own keyword arguments.
+        """
+        kernel = self.kernel[...] if kernel is None else kernel
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
+        operands = self.promote_dtype((inputs, kernel, r, s, bias), dtype=self.dtype)
+        return op(
+            *operands,
+            num_members=num_members,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
+            **options,
+        )
 
     def set_view(self, member: int | None = None, impl: str | None = None):
         """Class method used by ``nnx.view``.

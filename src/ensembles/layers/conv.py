@@ -13,17 +13,14 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_positive_int
 from ensembles.layers.base import (
+    WEIGHT_OPTIONS,
     BatchEnsembleModule,
-    check_member,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_copies,
-    plain_layer,
     shard_output,
-    without_member_axis_metadata,
 )
 from ensembles.ops import conv
 
@@ -51,36 +48,35 @@ def _check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
 
 
 class _ConvBase(BatchEnsembleModule):
-    """Parameters shared by the convolution layers: kernel, r, s and bias."""
+    """What the convolution layers share: the mask and the effective kernel."""
 
     _impls = conv.IMPLS
 
-    def _operands(self, inputs):
-        """Member slices and promoted ``(inputs, kernel, r, s, bias)``."""
+    def _init_conv(self, options: Mapping[str, Any], kernel_shape: tuple[int, ...]):
+        _check_mask(options["mask"], kernel_shape)
+        out_features = options["out_features"]
+        self._init_weights(
+            options,
+            kernel_shape=kernel_shape,
+            r_shape=(options["in_features"],),
+            s_shape=(out_features,),
+            bias_shape=(out_features,) if options["use_bias"] else None,
+        )
+        self.kernel_shape = kernel_shape
+
+    def _apply(self, op, inputs, **options):
         kernel = self.kernel[...]
         if self.mask is not None:
             # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
-        bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
-        return num_members, self.promote_dtype(
-            (inputs, kernel, r, s, bias), dtype=self.dtype
-        )
+        return super()._apply(op, inputs, kernel, **options)
 
-    def _member_params(self, member: int, **kernel_options) -> dict[str, Any]:
-        k = check_member(member, self.num_members)
-        kernel = conv.effective_kernel(
-            self.kernel[...], self.r[k], self.s[k], **kernel_options
-        )
-        params: dict[str, Any] = {
-            "kernel": nnx.Param(kernel, **self.kernel.get_metadata())
-        }
-        if self.bias is not None:
-            metadata = without_member_axis_metadata(self.bias.get_metadata())
-            params["bias"] = nnx.Param(self.bias[k], **metadata)
+    def _member_state(self, member: int) -> dict[str, Any]:
         # eval_shape leaves the plain layer's mask abstract: set the real one.
-        params["mask"] = self.mask
-        return params
+        return {**super()._member_state(member), "mask": self.mask}
+
+
+_CONV_OPTIONS = ("in_features", "out_features", "kernel_size", "strides", "padding")
 
 
 class BatchEnsembleConv(_ConvBase):
@@ -158,6 +154,25 @@ class BatchEnsembleConv(_ConvBase):
     layer always computes with ``jax.lax.conv_general_dilated``.
     """
 
+    flax_module = nnx.Conv
+    _flax_options = (
+        *_CONV_OPTIONS,
+        "input_dilation",
+        "kernel_dilation",
+        "feature_group_count",
+        "use_bias",
+        "mask",
+        *WEIGHT_OPTIONS,
+    )
+    _flax_functions = MappingProxyType(
+        {
+            "conv_general_dilated": (
+                lax.conv_general_dilated,
+                "jax.lax.conv_general_dilated",
+            )
+        }
+    )
+
     def __init__(
         self,
         in_features: int,
@@ -190,53 +205,18 @@ class BatchEnsembleConv(_ConvBase):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = _kernel_size(kernel_size)
-        groups = check_positive_int(feature_group_count, "feature_group_count")
-        if in_features % groups or out_features % groups:
+        feature_group_count = check_positive_int(
+            feature_group_count, "feature_group_count"
+        )
+        if in_features % feature_group_count or out_features % feature_group_count:
             raise ValueError(
-                f"`feature_group_count` (={groups}) must divide both "
+                f"`feature_group_count` (={feature_group_count}) must divide both "
                 f"`in_features` (={in_features}) and `out_features` "
                 f"(={out_features})."
             )
-        num_members = check_num_members(num_members)
-        impl = conv.check_impl(impl)
-        kernel_shape = (*kernel_size, in_features // groups, out_features)
-        _check_mask(mask, kernel_shape)
-
-        self.kernel_shape = kernel_shape
-        self._init_weights(
-            kernel_shape=kernel_shape,
-            r_shape=(num_members, in_features),
-            s_shape=(num_members, out_features),
-            bias_shape=(num_members, out_features),
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            rngs=rngs,
-            kernel_metadata=kernel_metadata,
-            bias_metadata=bias_metadata,
-            fast_weight_metadata=fast_weight_metadata,
+        self._init_conv(
+            locals(), (*kernel_size, in_features // feature_group_count, out_features)
         )
-        self.in_features = in_features
-        self.out_features = out_features
-        self.kernel_size = kernel_size
-        self.strides = strides
-        self.padding = padding
-        self.input_dilation = input_dilation
-        self.kernel_dilation = kernel_dilation
-        self.feature_group_count = groups
-        self.use_bias = use_bias
-        self.mask = mask
-        self.num_members = num_members
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.impl = impl
-        self.member: int | None = None
 
     @classmethod
     def from_conv(
@@ -289,49 +269,9 @@ class BatchEnsembleConv(_ConvBase):
           ValueError: if ``layer`` uses a custom ``conv_general_dilated``,
             which the BatchEnsemble op cannot honour.
         """
-        if not isinstance(layer, nnx.Conv):
-            raise TypeError(
-                f"`layer` must be an `nnx.Conv`, got {type(layer).__name__}."
-            )
-        if layer.conv_general_dilated is not lax.conv_general_dilated:
-            raise ValueError(
-                f"`layer.conv_general_dilated` is a custom function "
-                f"({layer.conv_general_dilated!r}); BatchEnsembleConv computes "
-                f"with `jax.lax.conv_general_dilated` and would silently change "
-                f"the layer. Convert a layer built with the default "
-                f"`conv_general_dilated`."
-            )
-        kernel = layer.kernel[...]
-        bias_init, bias_metadata = member_copies(layer.bias)
-        new = cls(
-            layer.in_features,
-            layer.out_features,
-            layer.kernel_size,
-            layer.strides,
-            num_members=num_members,
-            padding=layer.padding,
-            input_dilation=layer.input_dilation,
-            kernel_dilation=layer.kernel_dilation,
-            feature_group_count=layer.feature_group_count,
-            use_bias=layer.bias is not None,
-            mask=layer.mask,
-            dtype=layer.dtype,
-            param_dtype=layer.param_dtype,
-            precision=layer.precision,
-            kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            promote_dtype=layer.promote_dtype,
-            preferred_element_type=layer.preferred_element_type,
-            impl=impl,
-            rngs=rngs,
-            kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
+        return cls._convert(
+            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
         )
-        if share_kernel:
-            new.kernel = layer.kernel
-        return new
 
     def extract_member(self, member: int) -> nnx.Conv:
         """Returns member ``member`` as a plain ``nnx.Conv``.
@@ -360,29 +300,14 @@ class BatchEnsembleConv(_ConvBase):
         Returns:
           A new ``nnx.Conv``; this layer is not changed.
         """
-        params = self._member_params(
-            member, feature_group_count=self.feature_group_count
-        )
-        return plain_layer(
-            lambda: nnx.Conv(
-                self.in_features,
-                self.out_features,
-                self.kernel_size,
-                self.strides,
-                padding=self.padding,
-                input_dilation=self.input_dilation,
-                kernel_dilation=self.kernel_dilation,
-                feature_group_count=self.feature_group_count,
-                use_bias=self.use_bias,
-                mask=self.mask,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                promote_dtype=self.promote_dtype,
-                preferred_element_type=self.preferred_element_type,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
+        return super().extract_member(member)
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        return conv.effective_kernel(
+            self.kernel[...],
+            self.r[member],
+            self.s[member],
+            feature_group_count=self.feature_group_count,
         )
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
@@ -399,22 +324,14 @@ class BatchEnsembleConv(_ConvBase):
           The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
           outputs.
         """
-        num_members, (inputs, kernel, r, s, bias) = self._operands(inputs)
-        outputs = conv.batch_ensemble_conv(
+        outputs = self._apply(
+            conv.batch_ensemble_conv,
             inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
             strides=self.strides,
             padding=self.padding,
             input_dilation=self.input_dilation,
             kernel_dilation=self.kernel_dilation,
             feature_group_count=self.feature_group_count,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
         )
         return shard_output(outputs, out_sharding)
 
@@ -489,6 +406,16 @@ class BatchEnsembleConvTranspose(_ConvBase):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
+    flax_module = nnx.ConvTranspose
+    _flax_options = (
+        *_CONV_OPTIONS,
+        "kernel_dilation",
+        "use_bias",
+        "mask",
+        "transpose_kernel",
+        *WEIGHT_OPTIONS,
+    )
+
     def __init__(
         self,
         in_features: int,
@@ -520,48 +447,11 @@ class BatchEnsembleConvTranspose(_ConvBase):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = _kernel_size(kernel_size)
-        num_members = check_num_members(num_members)
-        impl = conv.check_impl(impl)
         if transpose_kernel:
-            kernel_shape = (*kernel_size, out_features, in_features)
+            channels = (out_features, in_features)
         else:
-            kernel_shape = (*kernel_size, in_features, out_features)
-        _check_mask(mask, kernel_shape)
-
-        self.kernel_shape = kernel_shape
-        self._init_weights(
-            kernel_shape=kernel_shape,
-            r_shape=(num_members, in_features),
-            s_shape=(num_members, out_features),
-            bias_shape=(num_members, out_features),
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            rngs=rngs,
-            kernel_metadata=kernel_metadata,
-            bias_metadata=bias_metadata,
-            fast_weight_metadata=fast_weight_metadata,
-        )
-        self.in_features = in_features
-        self.out_features = out_features
-        self.kernel_size = kernel_size
-        self.strides = strides
-        self.padding = padding
-        self.kernel_dilation = kernel_dilation
-        self.use_bias = use_bias
-        self.mask = mask
-        self.num_members = num_members
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.transpose_kernel = transpose_kernel
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.impl = impl
-        self.member: int | None = None
+            channels = (in_features, out_features)
+        self._init_conv(locals(), (*kernel_size, *channels))
 
     @classmethod
     def from_conv_transpose(
@@ -610,40 +500,9 @@ class BatchEnsembleConvTranspose(_ConvBase):
         Raises:
           TypeError: if ``layer`` is not an ``nnx.ConvTranspose``.
         """
-        if not isinstance(layer, nnx.ConvTranspose):
-            raise TypeError(
-                f"`layer` must be an `nnx.ConvTranspose`, got {type(layer).__name__}."
-            )
-        kernel = layer.kernel[...]
-        bias_init, bias_metadata = member_copies(layer.bias)
-        new = cls(
-            layer.in_features,
-            layer.out_features,
-            layer.kernel_size,
-            layer.strides,
-            num_members=num_members,
-            padding=layer.padding,
-            kernel_dilation=layer.kernel_dilation,
-            use_bias=layer.bias is not None,
-            mask=layer.mask,
-            dtype=layer.dtype,
-            param_dtype=layer.param_dtype,
-            precision=layer.precision,
-            kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            transpose_kernel=layer.transpose_kernel,
-            promote_dtype=layer.promote_dtype,
-            preferred_element_type=layer.preferred_element_type,
-            impl=impl,
-            rngs=rngs,
-            kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
+        return cls._convert(
+            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
         )
-        if share_kernel:
-            new.kernel = layer.kernel
-        return new
 
     def extract_member(self, member: int) -> nnx.ConvTranspose:
         """Returns member ``member`` as a plain ``nnx.ConvTranspose``.
@@ -671,26 +530,14 @@ class BatchEnsembleConvTranspose(_ConvBase):
         Returns:
           A new ``nnx.ConvTranspose``; this layer is not changed.
         """
-        params = self._member_params(member, transpose_kernel=self.transpose_kernel)
-        return plain_layer(
-            lambda: nnx.ConvTranspose(
-                self.in_features,
-                self.out_features,
-                self.kernel_size,
-                self.strides,
-                padding=self.padding,
-                kernel_dilation=self.kernel_dilation,
-                use_bias=self.use_bias,
-                mask=self.mask,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                transpose_kernel=self.transpose_kernel,
-                promote_dtype=self.promote_dtype,
-                preferred_element_type=self.preferred_element_type,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
+        return super().extract_member(member)
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        return conv.effective_kernel(
+            self.kernel[...],
+            self.r[member],
+            self.s[member],
+            transpose_kernel=self.transpose_kernel,
         )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -704,19 +551,11 @@ class BatchEnsembleConvTranspose(_ConvBase):
           The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
           outputs.
         """
-        num_members, (inputs, kernel, r, s, bias) = self._operands(inputs)
-        return conv.batch_ensemble_conv_transpose(
+        return self._apply(
+            conv.batch_ensemble_conv_transpose,
             inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
             strides=self.strides,
             padding=self.padding,
             kernel_dilation=self.kernel_dilation,
             transpose_kernel=self.transpose_kernel,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
         )

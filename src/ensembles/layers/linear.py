@@ -13,17 +13,14 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_positive_int
 from ensembles.layers.base import (
+    WEIGHT_OPTIONS,
     BatchEnsembleModule,
-    check_member,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_copies,
-    plain_layer,
     shard_output,
-    without_member_axis_metadata,
 )
 from ensembles.ops import dense
 
@@ -88,6 +85,11 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
+    flax_module = nnx.Linear
+    _flax_options = ("in_features", "out_features", "use_bias", *WEIGHT_OPTIONS)
+    _flax_functions = MappingProxyType(
+        {"dot_general": (lax.dot_general, "jax.lax.dot_general")}
+    )
     _impls = dense.IMPLS
 
     def __init__(
@@ -114,37 +116,13 @@ class BatchEnsembleLinear(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        num_members = check_num_members(num_members)
-        impl = dense.check_impl(impl)
-
         self._init_weights(
+            locals(),
             kernel_shape=(in_features, out_features),
-            r_shape=(num_members, in_features),
-            s_shape=(num_members, out_features),
-            bias_shape=(num_members, out_features),
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            kernel_init=kernel_init,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            rngs=rngs,
-            kernel_metadata=kernel_metadata,
-            bias_metadata=bias_metadata,
-            fast_weight_metadata=fast_weight_metadata,
+            r_shape=(in_features,),
+            s_shape=(out_features,),
+            bias_shape=(out_features,) if use_bias else None,
         )
-
-        self.in_features = in_features
-        self.out_features = out_features
-        self.num_members = num_members
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.impl = impl
-        self.member: int | None = None
 
     @classmethod
     def from_linear(
@@ -196,44 +174,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
           ValueError: if ``linear`` uses a custom ``dot_general``, which the
             BatchEnsemble op cannot honour.
         """
-        if not isinstance(linear, nnx.Linear):
-            raise TypeError(
-                f"`linear` must be an `nnx.Linear`, got {type(linear).__name__}."
-            )
-        if getattr(linear, "dot_general", lax.dot_general) not in (
-            lax.dot_general,
-            None,
-        ):
-            raise ValueError(
-                f"`linear.dot_general` is a custom function "
-                f"({linear.dot_general!r}); BatchEnsembleLinear computes with "
-                f"`jax.lax.dot_general` and would silently change the layer. "
-                f"Convert a layer built with the default `dot_general`."
-            )
-        kernel = linear.kernel[...]
-        bias_init, bias_metadata = member_copies(linear.bias)
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            num_members=num_members,
-            use_bias=linear.bias is not None,
-            dtype=linear.dtype,
-            param_dtype=linear.param_dtype,
-            precision=linear.precision,
-            kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            promote_dtype=linear.promote_dtype,
-            preferred_element_type=linear.preferred_element_type,
-            impl=impl,
-            rngs=rngs,
-            kernel_metadata=linear.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
+        return cls._convert(
+            linear, "linear", num_members, rngs, r_init, s_init, share_kernel, impl
         )
-        if share_kernel:
-            layer.kernel = linear.kernel
-        return layer
 
     def extract_member(self, member: int) -> nnx.Linear:
         """Returns member ``member`` as a plain ``nnx.Linear``.
@@ -261,28 +204,11 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Returns:
           A new ``nnx.Linear``; this layer is not changed.
         """
-        k = check_member(member, self.num_members)
-        kernel = self.kernel[...] * jnp.outer(self.r[k], self.s[k]).astype(
-            self.kernel.dtype
-        )
-        params = {"kernel": nnx.Param(kernel, **self.kernel.get_metadata())}
-        if self.bias is not None:
-            metadata = without_member_axis_metadata(self.bias.get_metadata())
-            params["bias"] = nnx.Param(self.bias[k], **metadata)
-        return plain_layer(
-            lambda: nnx.Linear(
-                self.in_features,
-                self.out_features,
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                promote_dtype=self.promote_dtype,
-                preferred_element_type=self.preferred_element_type,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
-        )
+        return super().extract_member(member)
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        outer = jnp.outer(self.r[member], self.s[member])
+        return self.kernel[...] * outer.astype(self.kernel.dtype)
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
@@ -298,21 +224,5 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Returns:
           The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
         """
-        kernel = self.kernel[...]
-        bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, kernel, r, s, bias), dtype=self.dtype
-        )
-        outputs = dense.batch_ensemble_dense(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
-        )
+        outputs = self._apply(dense.batch_ensemble_dense, inputs)
         return shard_output(outputs, out_sharding)

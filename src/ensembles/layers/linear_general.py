@@ -16,17 +16,14 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_positive_int
 from ensembles.layers.base import (
+    WEIGHT_OPTIONS,
     BatchEnsembleModule,
-    check_member,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    member_copies,
-    plain_layer,
     shard_output,
-    without_member_axis_metadata,
 )
 from ensembles.ops import dense, dense_general
 
@@ -56,16 +53,18 @@ def _axes(value: Any) -> tuple[int, ...]:
 
 
 def _flat_initializer(
-    initializer: Initializer, flat_shape: tuple[int, ...], name: str
+    initializer: Initializer, num_rows: int, name: str
 ) -> Callable[..., jax.Array]:
-    """Calls ``initializer`` with ``flat_shape`` and reshapes, as Flax does.
+    """Calls ``initializer`` with a 2-D shape and reshapes, as Flax does.
 
     ``nnx.LinearGeneral`` initializes its kernel as a 2-D
     ``[prod(batch) * prod(in), prod(out)]`` matrix (so fan-in and fan-out are
-    those of the flattened contraction) and its bias flat; so do we.
+    those of the flattened contraction) and its bias flat; so do we: the first
+    ``num_rows`` axes of the shape asked for become the first flat axis.
     """
 
     def init(key, shape, dtype):
+        flat_shape = (math.prod(shape[:num_rows]), math.prod(shape[num_rows:]))
         value = initializer(key, flat_shape, dtype)
         if tuple(value.shape) != flat_shape:
             raise ValueError(
@@ -162,6 +161,21 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
+    flax_module = nnx.LinearGeneral
+    _flax_options = (
+        "in_features",
+        "out_features",
+        "axis",
+        "batch_axis",
+        "use_bias",
+        *WEIGHT_OPTIONS,
+    )
+    _flax_functions = MappingProxyType(
+        {
+            "dot_general": (lax.dot_general, "jax.lax.dot_general"),
+            "dot_general_cls": (None, "jax.lax.dot_general"),
+        }
+    )
     _impls = dense.IMPLS
 
     def __init__(
@@ -190,9 +204,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
     ):
         in_features = _features(in_features, "in_features")
         out_features = _features(out_features, "out_features")
-        num_members = check_num_members(num_members)
         axis = _axes(axis)
-        impl = dense.check_impl(impl)
         if len(axis) != len(in_features):
             raise ValueError(
                 f"`in_features` (={in_features}) and `axis` (={axis}) must have "
@@ -220,44 +232,17 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 f"(={dict(batch_axis)})."
             )
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
-        kernel_shape = (*batch_shape, *in_features, *out_features)
-        flat_kernel = (
-            math.prod(batch_shape) * math.prod(in_features),
-            math.prod(out_features),
-        )
-        bias_shape = (num_members, *batch_shape, *out_features)
-        flat_bias = (num_members, math.prod(bias_shape[1:]))
-
         self._init_weights(
-            kernel_shape=kernel_shape,
-            r_shape=(num_members, *in_features),
-            s_shape=(num_members, *out_features),
-            bias_shape=bias_shape,
-            use_bias=use_bias,
-            param_dtype=param_dtype,
-            kernel_init=_flat_initializer(kernel_init, flat_kernel, "kernel_init"),
-            bias_init=_flat_initializer(bias_init, flat_bias, "bias_init"),
-            r_init=r_init,
-            s_init=s_init,
-            rngs=rngs,
-            kernel_metadata=kernel_metadata,
-            bias_metadata=bias_metadata,
-            fast_weight_metadata=fast_weight_metadata,
+            locals(),
+            kernel_shape=(*batch_shape, *in_features, *out_features),
+            r_shape=in_features,
+            s_shape=out_features,
+            bias_shape=(*batch_shape, *out_features) if use_bias else None,
+            kernel_init=_flat_initializer(
+                kernel_init, len(batch_shape) + len(in_features), "kernel_init"
+            ),
+            bias_init=_flat_initializer(bias_init, 1, "bias_init"),
         )
-
-        self.in_features = in_features
-        self.out_features = out_features
-        self.axis = axis
-        self.batch_axis = batch_axis
-        self.num_members = num_members
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.precision = precision
-        self.promote_dtype = promote_dtype
-        self.preferred_element_type = preferred_element_type
-        self.impl = impl
-        self.member: int | None = None
 
     @classmethod
     def from_linear_general(
@@ -309,47 +294,11 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             ``dot_general_cls``, which the BatchEnsemble op cannot honour, or
             contracts axis 0.
         """
-        if not isinstance(layer, nnx.LinearGeneral):
-            raise TypeError(
-                f"`layer` must be an `nnx.LinearGeneral`, got {type(layer).__name__}."
-            )
-        for name in ("dot_general", "dot_general_cls"):
-            custom = getattr(layer, name, None)
-            if custom not in (None, lax.dot_general):
-                raise ValueError(
-                    f"`layer.{name}` is a custom function ({custom!r}); "
-                    f"BatchEnsembleLinearGeneral computes with "
-                    f"`jax.lax.dot_general` and would silently change the layer. "
-                    f"Convert a layer built with the default `{name}`."
-                )
-        kernel = layer.kernel[...]
-        bias_init, bias_metadata = member_copies(layer.bias)
-        new = cls(
-            layer.in_features,
-            layer.out_features,
-            num_members=num_members,
-            axis=layer.axis,
-            batch_axis=layer.batch_axis,
-            use_bias=layer.bias is not None,
-            dtype=layer.dtype,
-            param_dtype=layer.param_dtype,
-            kernel_init=lambda key, shape, dtype: jnp.reshape(kernel, shape),
-            bias_init=bias_init,
-            r_init=r_init,
-            s_init=s_init,
-            precision=layer.precision,
-            promote_dtype=layer.promote_dtype,
-            preferred_element_type=layer.preferred_element_type,
-            impl=impl,
-            rngs=rngs,
-            kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
+        return cls._convert(
+            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
         )
-        if share_kernel:
-            new.kernel = layer.kernel
-        return new
 
-    def _effective_kernel(self, member: int) -> jax.Array:
+    def _member_kernel(self, member: int) -> jax.Array:
         num_batch, num_in = len(self.batch_axis), len(self.in_features)
         num_out = len(self.out_features)
         r = self.r[member].reshape((1,) * num_batch + self.in_features + (1,) * num_out)
@@ -383,29 +332,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         Returns:
           A new ``nnx.LinearGeneral``; this layer is not changed.
         """
-        k = check_member(member, self.num_members)
-        params = {
-            "kernel": nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata())
-        }
-        if self.bias is not None:
-            metadata = without_member_axis_metadata(self.bias.get_metadata())
-            params["bias"] = nnx.Param(self.bias[k], **metadata)
-        return plain_layer(
-            lambda: nnx.LinearGeneral(
-                self.in_features,
-                self.out_features,
-                axis=self.axis,
-                batch_axis=self.batch_axis,
-                use_bias=self.use_bias,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                precision=self.precision,
-                promote_dtype=self.promote_dtype,
-                preferred_element_type=self.preferred_element_type,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
-        )
+        return super().extract_member(member)
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
@@ -421,23 +348,10 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
           The outputs: the uncontracted axes of ``inputs`` in order, then
           ``out_features``.
         """
-        kernel = self.kernel[...]
-        bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._members(self.r[...], self.s[...], bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, kernel, r, s, bias), dtype=self.dtype
-        )
-        outputs = dense_general.batch_ensemble_dense_general(
+        outputs = self._apply(
+            dense_general.batch_ensemble_dense_general,
             inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
             axis=self.axis,
             num_batch_axes=len(self.batch_axis),
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
         )
         return shard_output(outputs, out_sharding)

@@ -22,48 +22,14 @@ from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Axes, Dtype, Initializer, PromoteDtypeFn
 
-from ensembles._checks import check_num_members, check_positive_int
-from ensembles.layers.base import (
-    EnsembleModule,
-    check_member,
-    drawing_from,
-    init_param,
-    member_copies,
-    plain_layer,
-    without_member_axis_metadata,
-)
+from ensembles._checks import check_positive_int
+from ensembles.layers.base import EnsembleModule, ParamSpec, member_slice
 from ensembles.ops import normalization
 
 __all__ = ["EnsembleBatchNorm", "EnsembleLayerNorm", "EnsembleRMSNorm"]
 
 default_bias_init = initializers.zeros_init()
 default_scale_init = initializers.ones_init()
-
-
-def _norm_params(rngs, num_members, num_features, param_dtype, **params) -> list:
-    """A norm's per-member ``[E, features]`` Params, drawn in the order given.
-
-    ``params`` maps each name (``scale``, ``bias``) to ``(use, init, metadata)``;
-    the result holds, per name, the Param or ``nnx.data(None)`` where unused.
-    ``rngs`` is advanced only if every initializer succeeds.
-    """
-    values = []
-    with drawing_from(rngs) as draw:
-        for name, (use, initializer, metadata) in params.items():
-            values.append(
-                init_param(
-                    nnx.Param,
-                    initializer,
-                    draw.params(),
-                    (num_members, num_features),
-                    param_dtype,
-                    metadata,
-                    f"{name}_init",
-                )
-                if use
-                else nnx.data(None)
-            )
-    return values
 
 
 def _check_mask(mask: Any, x: Any) -> Any:
@@ -101,13 +67,69 @@ def _check_use_running_average(value: Any) -> bool:
     return bool(value)
 
 
-def _member_param(variable: nnx.Variable, member: int) -> nnx.Variable:
-    """Member ``member``'s slice of an ``[E, ...]`` variable, same type."""
-    metadata = without_member_axis_metadata(variable.get_metadata())
-    return type(variable)(variable[member], **metadata)
+class _Norm(EnsembleModule):
+    """What the per-member norms share: their ``[E, num_features]`` parameters."""
+
+    def _init_norm(self, options: Mapping[str, Any]) -> None:
+        """Draws the used ``_member_params`` and stores the options.
+
+        ``options`` is the constructor's ``locals()`` (see ``_init_module``).
+        """
+        shape = (options["num_features"],)
+        self._init_module(
+            options,
+            **{
+                name: ParamSpec(
+                    nnx.Param,
+                    shape,
+                    options[f"{name}_init"],
+                    options[f"{name}_metadata"],
+                )
+                if options[f"use_{name}"]
+                else None
+                for name in self._member_params
+            },
+        )
 
 
-class EnsembleLayerNorm(EnsembleModule):
+#: The options LayerNorm and RMSNorm share with their Flax norms.
+_SAMPLE_NORM_OPTIONS = (
+    "num_features",
+    "epsilon",
+    "dtype",
+    "param_dtype",
+    "reduction_axes",
+    "feature_axes",
+    "axis_name",
+    "axis_index_groups",
+    "use_fast_variance",
+    "promote_dtype",
+)
+
+
+class _SampleNorm(_Norm):
+    """LayerNorm and RMSNorm: per-sample statistics, per-member parameters."""
+
+    def _normalize(self, op, x: jax.Array, mask: jax.Array | None) -> jax.Array:
+        mask = _check_mask(mask, x)
+        num_members, params = self._member_arrays()
+        x, *params = self.promote_dtype((x, *params), dtype=self.dtype)
+        return op(
+            x,
+            *params,
+            num_members=num_members,
+            epsilon=self.epsilon,
+            dtype=self.dtype,
+            reduction_axes=self.reduction_axes,
+            feature_axes=self.feature_axes,
+            axis_name=self.axis_name,
+            axis_index_groups=self.axis_index_groups,
+            use_fast_variance=self.use_fast_variance,
+            mask=mask,
+        )
+
+
+class EnsembleLayerNorm(_SampleNorm):
     """``nnx.LayerNorm`` with a per-member scale and bias ``[E, num_features]``.
 
     Statistics are per sample, exactly as Flax's; member ``k``'s rows
@@ -156,6 +178,10 @@ class EnsembleLayerNorm(EnsembleModule):
       scale_metadata: metadata of the scale ``Param``.
     """
 
+    flax_module = nnx.LayerNorm
+    _flax_options = (*_SAMPLE_NORM_OPTIONS, "use_bias", "use_scale")
+    _member_params = ("scale", "bias")
+
     def __init__(
         self,
         num_features: int,
@@ -179,32 +205,7 @@ class EnsembleLayerNorm(EnsembleModule):
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         num_features = check_positive_int(num_features, "num_features")
-        num_members = check_num_members(num_members)
-        self.scale: nnx.Param[jax.Array] | None
-        self.bias: nnx.Param[jax.Array] | None
-        self.scale, self.bias = _norm_params(
-            rngs,
-            num_members,
-            num_features,
-            param_dtype,
-            scale=(use_scale, scale_init, scale_metadata),
-            bias=(use_bias, bias_init, bias_metadata),
-        )
-
-        self.num_features = num_features
-        self.num_members = num_members
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = use_bias
-        self.use_scale = use_scale
-        self.reduction_axes = reduction_axes
-        self.feature_axes = feature_axes
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
-        self.member: int | None = None
+        self._init_norm(locals())
 
     @classmethod
     def from_layer_norm(
@@ -236,33 +237,7 @@ class EnsembleLayerNorm(EnsembleModule):
         Raises:
           TypeError: if ``norm`` is not an ``nnx.LayerNorm``.
         """
-        if not isinstance(norm, nnx.LayerNorm):
-            raise TypeError(
-                f"`norm` must be an `nnx.LayerNorm`, got {type(norm).__name__}."
-            )
-        scale, bias = norm.scale, norm.bias
-        bias_init, bias_metadata = member_copies(bias)
-        scale_init, scale_metadata = member_copies(scale)
-        return cls(
-            norm.num_features,
-            num_members=num_members,
-            epsilon=norm.epsilon,
-            dtype=norm.dtype,
-            param_dtype=norm.param_dtype,
-            use_bias=bias is not None,
-            use_scale=scale is not None,
-            bias_init=bias_init,
-            scale_init=scale_init,
-            reduction_axes=norm.reduction_axes,
-            feature_axes=norm.feature_axes,
-            axis_name=norm.axis_name,
-            axis_index_groups=norm.axis_index_groups,
-            use_fast_variance=norm.use_fast_variance,
-            promote_dtype=norm.promote_dtype,
-            rngs=nnx.Rngs(0),
-            bias_metadata=bias_metadata,
-            scale_metadata=scale_metadata,
-        )
+        return cls._from_flax(norm, "norm", num_members=num_members, rngs=nnx.Rngs(0))
 
     def extract_member(self, member: int) -> nnx.LayerNorm:
         """Returns member ``member`` as a plain ``nnx.LayerNorm``.
@@ -287,30 +262,7 @@ class EnsembleLayerNorm(EnsembleModule):
           A new ``nnx.LayerNorm`` holding member k's scale and bias; this norm
           is not changed.
         """
-        k = check_member(member, self.num_members)
-        params = {}
-        if self.scale is not None:
-            params["scale"] = _member_param(self.scale, k)
-        if self.bias is not None:
-            params["bias"] = _member_param(self.bias, k)
-        return plain_layer(
-            lambda: nnx.LayerNorm(
-                self.num_features,
-                epsilon=self.epsilon,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                use_bias=self.use_bias,
-                use_scale=self.use_scale,
-                reduction_axes=self.reduction_axes,
-                feature_axes=self.feature_axes,
-                axis_name=self.axis_name,
-                axis_index_groups=self.axis_index_groups,
-                use_fast_variance=self.use_fast_variance,
-                promote_dtype=self.promote_dtype,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
-        )
+        return super().extract_member(member)
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Normalizes each member's rows with its own scale and bias.
@@ -328,28 +280,10 @@ class EnsembleLayerNorm(EnsembleModule):
           TypeError: if ``mask`` is not boolean.
           ValueError: if ``mask`` does not broadcast to ``x``.
         """
-        mask = _check_mask(mask, x)
-        scale = None if self.scale is None else self.scale[...]
-        bias = None if self.bias is None else self.bias[...]
-        num_members, (scale, bias) = self._members(scale, bias)
-        x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
-        return normalization.ensemble_layer_norm(
-            x,
-            scale,
-            bias,
-            num_members=num_members,
-            epsilon=self.epsilon,
-            dtype=self.dtype,
-            reduction_axes=self.reduction_axes,
-            feature_axes=self.feature_axes,
-            axis_name=self.axis_name,
-            axis_index_groups=self.axis_index_groups,
-            use_fast_variance=self.use_fast_variance,
-            mask=mask,
-        )
+        return self._normalize(normalization.ensemble_layer_norm, x, mask)
 
 
-class EnsembleRMSNorm(EnsembleModule):
+class EnsembleRMSNorm(_SampleNorm):
     """``nnx.RMSNorm`` with a per-member scale ``[E, num_features]``.
 
     Statistics are per sample, exactly as Flax's; member ``k``'s rows
@@ -388,6 +322,10 @@ class EnsembleRMSNorm(EnsembleModule):
       scale_metadata: metadata of the scale ``Param``.
     """
 
+    flax_module = nnx.RMSNorm
+    _flax_options = (*_SAMPLE_NORM_OPTIONS, "use_scale")
+    _member_params = ("scale",)
+
     def __init__(
         self,
         num_features: int,
@@ -408,29 +346,7 @@ class EnsembleRMSNorm(EnsembleModule):
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         num_features = check_positive_int(num_features, "num_features")
-        num_members = check_num_members(num_members)
-        self.scale: nnx.Param[jax.Array] | None
-        (self.scale,) = _norm_params(
-            rngs,
-            num_members,
-            num_features,
-            param_dtype,
-            scale=(use_scale, scale_init, scale_metadata),
-        )
-
-        self.num_features = num_features
-        self.num_members = num_members
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_scale = use_scale
-        self.reduction_axes = reduction_axes
-        self.feature_axes = feature_axes
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
-        self.member: int | None = None
+        self._init_norm(locals())
 
     @classmethod
     def from_rms_norm(cls, norm: nnx.RMSNorm, *, num_members: int) -> EnsembleRMSNorm:
@@ -458,29 +374,7 @@ class EnsembleRMSNorm(EnsembleModule):
         Raises:
           TypeError: if ``norm`` is not an ``nnx.RMSNorm``.
         """
-        if not isinstance(norm, nnx.RMSNorm):
-            raise TypeError(
-                f"`norm` must be an `nnx.RMSNorm`, got {type(norm).__name__}."
-            )
-        scale = norm.scale
-        scale_init, scale_metadata = member_copies(scale)
-        return cls(
-            norm.num_features,
-            num_members=num_members,
-            epsilon=norm.epsilon,
-            dtype=norm.dtype,
-            param_dtype=norm.param_dtype,
-            use_scale=scale is not None,
-            scale_init=scale_init,
-            reduction_axes=norm.reduction_axes,
-            feature_axes=norm.feature_axes,
-            axis_name=norm.axis_name,
-            axis_index_groups=norm.axis_index_groups,
-            use_fast_variance=norm.use_fast_variance,
-            promote_dtype=norm.promote_dtype,
-            rngs=nnx.Rngs(0),
-            scale_metadata=scale_metadata,
-        )
+        return cls._from_flax(norm, "norm", num_members=num_members, rngs=nnx.Rngs(0))
 
     def extract_member(self, member: int) -> nnx.RMSNorm:
         """Returns member ``member`` as a plain ``nnx.RMSNorm``.
@@ -499,27 +393,7 @@ class EnsembleRMSNorm(EnsembleModule):
           A new ``nnx.RMSNorm`` holding member k's scale; this norm is not
           changed.
         """
-        k = check_member(member, self.num_members)
-        params = {}
-        if self.scale is not None:
-            params["scale"] = _member_param(self.scale, k)
-        return plain_layer(
-            lambda: nnx.RMSNorm(
-                self.num_features,
-                epsilon=self.epsilon,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                use_scale=self.use_scale,
-                reduction_axes=self.reduction_axes,
-                feature_axes=self.feature_axes,
-                axis_name=self.axis_name,
-                axis_index_groups=self.axis_index_groups,
-                use_fast_variance=self.use_fast_variance,
-                promote_dtype=self.promote_dtype,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
-        )
+        return super().extract_member(member)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """Normalizes each member's rows with its own scale.
@@ -537,26 +411,10 @@ class EnsembleRMSNorm(EnsembleModule):
           TypeError: if ``mask`` is not boolean.
           ValueError: if ``mask`` does not broadcast to ``x``.
         """
-        mask = _check_mask(mask, x)
-        scale = None if self.scale is None else self.scale[...]
-        num_members, (scale,) = self._members(scale)
-        x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        return normalization.ensemble_rms_norm(
-            x,
-            scale,
-            num_members=num_members,
-            epsilon=self.epsilon,
-            dtype=self.dtype,
-            reduction_axes=self.reduction_axes,
-            feature_axes=self.feature_axes,
-            axis_name=self.axis_name,
-            axis_index_groups=self.axis_index_groups,
-            use_fast_variance=self.use_fast_variance,
-            mask=mask,
-        )
+        return self._normalize(normalization.ensemble_rms_norm, x, mask)
 
 
-class EnsembleBatchNorm(EnsembleModule):
+class EnsembleBatchNorm(_Norm):
     """``nnx.BatchNorm`` with per-member statistics, running averages and params.
 
     In training (``use_running_average=False``) member ``k``'s rows
@@ -619,6 +477,24 @@ class EnsembleBatchNorm(EnsembleModule):
       scale_metadata: metadata of the scale ``Param``.
     """
 
+    flax_module = nnx.BatchNorm
+    _flax_options = (
+        "num_features",
+        "use_running_average",
+        "axis",
+        "momentum",
+        "epsilon",
+        "dtype",
+        "param_dtype",
+        "use_bias",
+        "use_scale",
+        "axis_name",
+        "axis_index_groups",
+        "use_fast_variance",
+        "promote_dtype",
+    )
+    _member_params = ("scale", "bias")
+
     def __init__(
         self,
         num_features: int,
@@ -643,36 +519,10 @@ class EnsembleBatchNorm(EnsembleModule):
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
     ):
         num_features = check_positive_int(num_features, "num_features")
-        num_members = check_num_members(num_members)
-        shape = (num_members, num_features)
+        self._init_norm(locals())
+        shape = (self.num_members, num_features)
         self.mean = nnx.BatchStat(jnp.zeros(shape, jnp.float32))
         self.var = nnx.BatchStat(jnp.ones(shape, jnp.float32))
-        self.scale: nnx.Param[jax.Array] | None
-        self.bias: nnx.Param[jax.Array] | None
-        self.scale, self.bias = _norm_params(
-            rngs,
-            num_members,
-            num_features,
-            param_dtype,
-            scale=(use_scale, scale_init, scale_metadata),
-            bias=(use_bias, bias_init, bias_metadata),
-        )
-
-        self.num_features = num_features
-        self.num_members = num_members
-        self.use_running_average = use_running_average
-        self.axis = axis
-        self.momentum = momentum
-        self.epsilon = epsilon
-        self.dtype = dtype
-        self.param_dtype = param_dtype
-        self.use_bias = use_bias
-        self.use_scale = use_scale
-        self.axis_name = axis_name
-        self.axis_index_groups = axis_index_groups
-        self.use_fast_variance = use_fast_variance
-        self.promote_dtype = promote_dtype
-        self.member: int | None = None
 
     @classmethod
     def from_batch_norm(
@@ -707,33 +557,8 @@ class EnsembleBatchNorm(EnsembleModule):
         Raises:
           TypeError: if ``norm`` is not an ``nnx.BatchNorm``.
         """
-        if not isinstance(norm, nnx.BatchNorm):
-            raise TypeError(
-                f"`norm` must be an `nnx.BatchNorm`, got {type(norm).__name__}."
-            )
-        scale, bias = norm.scale, norm.bias
-        bias_init, bias_metadata = member_copies(bias)
-        scale_init, scale_metadata = member_copies(scale)
-        ensemble = cls(
-            norm.num_features,
-            num_members=num_members,
-            use_running_average=norm.use_running_average,
-            axis=norm.axis,
-            momentum=norm.momentum,
-            epsilon=norm.epsilon,
-            dtype=norm.dtype,
-            param_dtype=norm.param_dtype,
-            use_bias=bias is not None,
-            use_scale=scale is not None,
-            bias_init=bias_init,
-            scale_init=scale_init,
-            axis_name=norm.axis_name,
-            axis_index_groups=norm.axis_index_groups,
-            use_fast_variance=norm.use_fast_variance,
-            promote_dtype=norm.promote_dtype,
-            rngs=nnx.Rngs(0),
-            bias_metadata=bias_metadata,
-            scale_metadata=scale_metadata,
+        ensemble = cls._from_flax(
+            norm, "norm", num_members=num_members, rngs=nnx.Rngs(0)
         )
         shape = ensemble.mean.shape
         ensemble.mean[...] = jnp.broadcast_to(norm.mean[...], shape)
@@ -759,34 +584,14 @@ class EnsembleBatchNorm(EnsembleModule):
         Returns:
           A new ``nnx.BatchNorm``; this norm is not changed.
         """
-        k = check_member(member, self.num_members)
-        params = {
-            "mean": _member_param(self.mean, k),
-            "var": _member_param(self.var, k),
+        return super().extract_member(member)
+
+    def _member_state(self, member: int) -> dict[str, Any]:
+        return {
+            "mean": member_slice(self.mean, member),
+            "var": member_slice(self.var, member),
+            **super()._member_state(member),
         }
-        if self.scale is not None:
-            params["scale"] = _member_param(self.scale, k)
-        if self.bias is not None:
-            params["bias"] = _member_param(self.bias, k)
-        return plain_layer(
-            lambda: nnx.BatchNorm(
-                self.num_features,
-                use_running_average=self.use_running_average,
-                axis=self.axis,
-                momentum=self.momentum,
-                epsilon=self.epsilon,
-                dtype=self.dtype,
-                param_dtype=self.param_dtype,
-                use_bias=self.use_bias,
-                use_scale=self.use_scale,
-                axis_name=self.axis_name,
-                axis_index_groups=self.axis_index_groups,
-                use_fast_variance=self.use_fast_variance,
-                promote_dtype=self.promote_dtype,
-                rngs=nnx.Rngs(0),
-            ),
-            **params,
-        )
 
     def set_view(
         self,
@@ -863,12 +668,8 @@ class EnsembleBatchNorm(EnsembleModule):
                 f"running averages. Skip the call, or pass "
                 f"use_running_average=True."
             )
-        scale = None if self.scale is None else self.scale[...]
-        bias = None if self.bias is None else self.bias[...]
-        running_mean, running_var = self.mean[...], self.var[...]
-        num_members, (running_mean, running_var, scale, bias) = self._members(
-            running_mean, running_var, scale, bias
-        )
+        num_members, (scale, bias) = self._member_arrays()
+        _, (running_mean, running_var) = self._members(self.mean[...], self.var[...])
         x, mean, var, scale, bias = self.promote_dtype(
             (x, running_mean, running_var, scale, bias), dtype=self.dtype
         )

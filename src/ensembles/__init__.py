@@ -11,6 +11,7 @@ from ensembles.ensemble import Ensemble
 from ensembles.layers import (
     BatchEnsembleConv,
     BatchEnsembleConvTranspose,
+    BatchEnsembleEinsum,
     BatchEnsembleLinear,
     BatchEnsembleLinearGeneral,
     EnsembleBatchNorm,
@@ -26,6 +27,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "BatchEnsembleConv",
     "BatchEnsembleConvTranspose",
+    "BatchEnsembleEinsum",
     "BatchEnsembleLinear",
     "BatchEnsembleLinearGeneral",
     "Ensemble",

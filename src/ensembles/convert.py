@@ -31,6 +31,7 @@ from ensembles.layers.base import (
     drawing_from,
 )
 from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
+from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
 from ensembles.layers.normalization import (
@@ -51,6 +52,7 @@ CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {
     nnx.LinearGeneral: BatchEnsembleLinearGeneral.from_linear_general,
     nnx.Conv: BatchEnsembleConv.from_conv,
     nnx.ConvTranspose: BatchEnsembleConvTranspose.from_conv_transpose,
+    nnx.Einsum: BatchEnsembleEinsum.from_einsum,
 }
 
 #: Flax norm type -> the ``from_*`` classmethod of its per-member norm, used with
@@ -77,8 +79,9 @@ def to_batch_ensemble(
 ) -> M:
     """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
 
-    Every ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv`` and
-    ``nnx.ConvTranspose`` (the keys of ``CONVERTERS``) selected by ``only`` is
+    Every ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Conv``,
+    ``nnx.ConvTranspose`` and ``nnx.Einsum`` (the keys of ``CONVERTERS``)
+    selected by ``only`` is
     replaced by its BatchEnsemble sibling built with ``from_*``: the kernel is
     kept, the bias is broadcast to every member and each fresh layer draws its
     own fast weights from ``rngs``. With ``r_init = s_init =

@@ -2,6 +2,7 @@
 
 from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
 from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
+from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
 from ensembles.layers.normalization import (
@@ -13,6 +14,7 @@ from ensembles.layers.normalization import (
 __all__ = [
     "BatchEnsembleConv",
     "BatchEnsembleConvTranspose",
+    "BatchEnsembleEinsum",
     "BatchEnsembleLinear",
     "BatchEnsembleLinearGeneral",
     "BatchEnsembleModule",

@@ -4,6 +4,7 @@ from ensembles.ops.conv import batch_ensemble_conv, batch_ensemble_conv_transpos
 from ensembles.ops.dense import batch_ensemble_dense
 from ensembles.ops.dense_general import batch_ensemble_dense_general
 from ensembles.ops.dispatch import IMPLS, resolve_impl
+from ensembles.ops.einsum import batch_ensemble_einsum
 from ensembles.ops.normalization import (
     ensemble_batch_norm,
     ensemble_batch_statistics,
@@ -19,6 +20,7 @@ __all__ = [
     "batch_ensemble_conv_transpose",
     "batch_ensemble_dense",
     "batch_ensemble_dense_general",
+    "batch_ensemble_einsum",
     "ensemble_batch_norm",
     "ensemble_batch_statistics",
     "ensemble_layer_norm",

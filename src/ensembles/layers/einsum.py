@@ -1,0 +1,262 @@
+"""BatchEnsemble sibling of ``nnx.Einsum``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.module import first_from
+from flax.nnx.nn import dtypes
+from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
+
+from ensembles._checks import check_positive_int
+from ensembles.layers.base import (
+    WEIGHT_OPTIONS,
+    BatchEnsembleModule,
+    default_bias_init,
+    default_fast_weight_init,
+    default_kernel_init,
+    shard_output,
+)
+from ensembles.ops import dense, einsum
+
+__all__ = ["BatchEnsembleEinsum"]
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, Sequence):
+        raise TypeError(f"`{name}` must be a sequence of ints, got {value!r}.")
+    return tuple(check_positive_int(v, name) for v in value)
+
+
+class BatchEnsembleEinsum(BatchEnsembleModule):
+    """A BatchEnsemble ``nnx.Einsum``: the projection of Gemma-style models.
+
+    Member ``k`` maps its rows ``[k*B, (k+1)*B)`` of a member-major ``[E*B,
+    ...]`` batch as an ``nnx.Einsum`` with the same ``einsum_str`` would,
+    holding the effective kernel ``kernel * r[k] * s[k]`` and the bias
+    ``bias[k]``. ``r[k]`` spans the kernel's *contracted* axes (letters absent
+    from the output) and ``s[k]`` its *kept* axes (letters in the output), so
+    the effective kernel is ``W * outer(r_k, s_k)`` of the kernel read as a
+    ``[contracted, kept]`` matrix. All members run as one batch through
+    :func:`ensembles.ops.batch_ensemble_einsum`.
+
+    The input's first letter names the member-major axis: it must not be in
+    the kernel and must be in the output, where member ``k`` owns the slice
+    ``[k*B, (k+1)*B)`` along it (``"BSD,CKDH->CBSKH"`` puts it second).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleEinsum(
+    ...     "BTD,NDH->BTNH", (2, 8, 4), (2, 4), num_members=3, rngs=nnx.Rngs(0))
+    >>> jax.tree.map(jnp.shape, nnx.state(layer))
+    State({
+      'bias': Param(
+        value=(3, 2, 4)
+      ),
+      'kernel': Param(
+        value=(2, 8, 4)
+      ),
+      'r': FastWeight(
+        value=(3, 8)
+      ),
+      's': FastWeight(
+        value=(3, 2, 4)
+      )
+    })
+    >>> x = jnp.ones((5, 7, 8))                       # un-tiled [B, T, D]
+    >>> layer(ensembles.tile(x, 3)).shape             # [E*B, T, N, H]
+    (15, 7, 2, 4)
+    >>> nnx.view(layer, member=2)(x).shape            # member 2 alone
+    (5, 7, 2, 4)
+
+    Args:
+      einsum_str: ``"<input>,<kernel>-><output>"``, as for ``nnx.Einsum``.
+      kernel_shape: the shape of the shared kernel.
+      bias_shape: one member's bias shape, as ``nnx.Einsum``'s; ``None`` for no
+        bias. The bias is ``[E, *bias_shape]``.
+      num_members: the ensemble size E (keyword-only, required).
+      dtype: the dtype of the computation (default: infer from input and params).
+      param_dtype: the dtype passed to parameter initializers (default: float32).
+      precision: numerical precision of the contraction, see
+        ``jax.lax.Precision``.
+      kernel_init: initializer for the shared kernel (default: LeCun normal).
+      bias_init: initializer for the ``[E, *bias_shape]`` bias (default: zeros).
+      r_init: initializer for the ``[E, *contracted dims]`` fast weights
+        (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, *kept dims]`` fast weights (default:
+        N(1, 0.5)).
+      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
+        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      preferred_element_type: accumulation/output dtype of the contraction.
+      impl: the dense op implementation: ``"auto"``, ``"xla"`` or
+        ``"pallas"``; see :func:`ensembles.ops.batch_ensemble_einsum`.
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
+      bias_metadata: metadata of the ``[E, *bias_shape]`` bias ``Param``.
+      fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
+
+    ``nnx.Einsum``'s ``einsum_op`` has no counterpart: the layer always
+    computes with ``jnp.einsum``'s semantics.
+    """
+
+    flax_module = nnx.Einsum
+    _flax_options = ("einsum_str", "kernel_shape", "bias_shape", *WEIGHT_OPTIONS)
+    _flax_functions = MappingProxyType({"einsum_op": (jnp.einsum, "jnp.einsum")})
+    _impls = dense.IMPLS
+
+    def __init__(
+        self,
+        einsum_str: str,
+        kernel_shape: Sequence[int],
+        bias_shape: Sequence[int] | None = None,
+        *,
+        num_members: int,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        impl: str = "auto",
+        rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        fast_weight_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        kernel_shape = _shape(kernel_shape, "kernel_shape")
+        if bias_shape is not None:
+            bias_shape = _shape(bias_shape, "bias_shape")
+        r_shape, s_shape = einsum.fast_weight_shapes(einsum_str, kernel_shape)
+        einsum_str = einsum_str.replace(" ", "")
+        self._init_weights(
+            locals(),
+            kernel_shape=kernel_shape,
+            r_shape=r_shape,
+            s_shape=s_shape,
+            bias_shape=bias_shape,
+        )
+
+    @classmethod
+    def from_einsum(
+        cls,
+        layer: nnx.Einsum,
+        *,
+        num_members: int,
+        rngs: nnx.Rngs,
+        r_init: Initializer = default_fast_weight_init,
+        s_init: Initializer = default_fast_weight_init,
+        share_kernel: bool = False,
+        impl: str = "auto",
+    ) -> BatchEnsembleEinsum:
+        """Builds a BatchEnsemble layer around a pretrained ``nnx.Einsum``.
+
+        The kernel is kept (a new ``Param`` holding the same values; the very
+        same ``Param`` with ``share_kernel=True``), and the bias is broadcast to
+        every member. With ``r_init = s_init = ones()`` every member computes
+        exactly what ``layer`` does. ``layer`` itself is never changed.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> out = nnx.Einsum("BTNH,NHD->BTD", (2, 4, 8), (8,), rngs=nnx.Rngs(0))
+        >>> layer = ensembles.BatchEnsembleEinsum.from_einsum(
+        ...     out, num_members=3, rngs=nnx.Rngs(1),
+        ...     r_init=ensembles.initializers.ones(),
+        ...     s_init=ensembles.initializers.ones())
+        >>> x = jnp.ones((5, 7, 2, 4))
+        >>> bool(jnp.allclose(layer(ensembles.tile(x, 3))[10:], out(x)))
+        True
+
+        Args:
+          layer: the pretrained ``nnx.Einsum``.
+          num_members: the ensemble size E.
+          rngs: rng keys for the fast weights.
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
+          share_kernel: if True, the new layer holds ``layer``'s kernel
+            ``Param`` itself, so updates to one are seen by the other.
+          impl: the op implementation.
+
+        Returns:
+          The new ``BatchEnsembleEinsum``.
+
+        Raises:
+          TypeError: if ``layer`` is not an ``nnx.Einsum``.
+          ValueError: if ``layer`` uses a custom ``einsum_op``, or its
+            ``einsum_str`` contracts the input's first axis (which carries the
+            members here).
+        """
+        return cls._convert(
+            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
+        )
+
+    def extract_member(self, member: int) -> nnx.Einsum:
+        """Returns member ``member`` as a plain ``nnx.Einsum``.
+
+        Its kernel is ``kernel * r[member] * s[member]`` and its bias
+        ``bias[member]``; it maps an un-tiled batch as ``nnx.view(self,
+        member=member)`` does (up to rounding).
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import ensembles
+        >>> layer = ensembles.BatchEnsembleEinsum(
+        ...     "BTD,NDH->BTNH", (2, 8, 4), (2, 4), num_members=3,
+        ...     rngs=nnx.Rngs(0))
+        >>> plain = layer.extract_member(1)
+        >>> type(plain).__name__, plain.kernel.shape, plain.bias.shape
+        ('Einsum', (2, 8, 4), (2, 4))
+        >>> x = jnp.ones((5, 7, 8))
+        >>> bool(jnp.allclose(plain(x), nnx.view(layer, member=1)(x), atol=1e-5))
+        True
+
+        Args:
+          member: the member index k, ``0 <= k < num_members``.
+
+        Returns:
+          A new ``nnx.Einsum``; this layer is not changed.
+        """
+        return super().extract_member(member)
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        return einsum.effective_kernel(
+            self.kernel[...],
+            self.r[member],
+            self.s[member],
+            einsum_str=self.einsum_str,
+        )
+
+    def __call__(
+        self, inputs: jax.Array, einsum_str: str | None = None, out_sharding: Any = None
+    ) -> jax.Array:
+        """Applies every member (or the viewed member) to its rows of ``inputs``.
+
+        Args:
+          inputs: ``[E*B, ...]`` member-major inputs; in a member view
+            (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...]`` batch.
+          einsum_str: replaces the layer's ``einsum_str`` for this call, as for
+            ``nnx.Einsum``; it must split the kernel's axes the same way.
+          out_sharding: where to place the outputs (a ``PartitionSpec`` or
+            ``NamedSharding``), as for ``nnx.Einsum``; ``None`` leaves it to XLA.
+
+        Returns:
+          The outputs, laid out as ``einsum_str``'s output.
+        """
+        einsum_str = first_from(
+            einsum_str,
+            self.einsum_str,
+            error_msg="No `einsum_str` was given to BatchEnsembleEinsum.",
+        )
+        outputs = self._apply(
+            einsum.batch_ensemble_einsum, inputs, einsum_str=einsum_str
+        )
+        return shard_output(outputs, out_sharding)

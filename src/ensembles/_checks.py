@@ -51,6 +51,32 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+def check_members(
+    leading: int,
+    r: Any,
+    s: Any,
+    bias: Any,
+    num_members: int,
+    in_features: int,
+    out_features: int,
+) -> int:
+    """Checks a dense-like op's member batch, fast weights and bias; returns B.
+
+    ``leading`` is the ``[E*B, ...]`` batch's size; ``r`` must be ``[E, in]``,
+    ``s`` and ``bias`` (unless ``None``) ``[E, out]``.
+    """
+    batch = check_member_batch(leading, num_members)
+    check_member_params(
+        r,
+        s,
+        bias,
+        r_shape=(num_members, in_features),
+        s_shape=(num_members, out_features),
+        bias_shape=(num_members, out_features),
+    )
+    return batch
+
+
 def check_member_params(
     r: Any,
     s: Any,

@@ -37,8 +37,7 @@ from jax import lax
 
 from ensembles._checks import (
     check_choice,
-    check_member_batch,
-    check_member_params,
+    check_members,
     check_num_members,
     check_positive_int,
 )
@@ -64,16 +63,9 @@ PaddingLike = str | int | Sequence[int | tuple[int, int]]
 
 
 def check_impl(impl: str) -> str:
-    """Checks that ``impl`` names an implementation of the convolution ops.
+    """Returns ``impl`` if the convolution ops accept it (one of :data:`IMPLS`).
 
-    Args:
-      impl: one of :data:`IMPLS`.
-
-    Returns:
-      ``impl`` unchanged.
-
-    Raises:
-      ValueError: if ``impl`` is not one of :data:`IMPLS`.
+    Raises a ``ValueError`` naming ``impl`` otherwise.
 
     >>> check_impl("xla")
     'xla'
@@ -208,15 +200,7 @@ def _check_shapes(
             f"(={in_features}: {source}, `kernel.shape`={kernel.shape}); got "
             f"inputs of shape {inputs.shape}."
         )
-    check_member_batch(inputs.shape[0], num_members)
-    check_member_params(
-        r,
-        s,
-        bias,
-        r_shape=(num_members, in_features),
-        s_shape=(num_members, out_features),
-        bias_shape=(num_members, out_features),
-    )
+    check_members(inputs.shape[0], r, s, bias, num_members, in_features, out_features)
     return rank
 
 

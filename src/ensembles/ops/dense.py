@@ -32,8 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from ensembles._checks import (
-    check_member_batch,
-    check_member_params,
+    check_members,
     check_num_members,
 )
 from ensembles.ops import dense_xla, pallas
@@ -67,15 +66,7 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             f"(`kernel.shape[0]`={in_features}); got inputs of shape "
             f"{inputs.shape}."
         )
-    check_member_batch(inputs.shape[0], num_members)
-    check_member_params(
-        r,
-        s,
-        bias,
-        r_shape=(num_members, in_features),
-        s_shape=(num_members, out_features),
-        bias_shape=(num_members, out_features),
-    )
+    check_members(inputs.shape[0], r, s, bias, num_members, in_features, out_features)
 
 
 # The one-device formulation: members split off by reshapes; which formulation

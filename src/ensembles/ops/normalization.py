@@ -270,21 +270,8 @@ def ensemble_layer_norm(
         out of range, or ``scale``/``bias`` have the wrong shape.
       TypeError: if ``num_members`` or an axis is not an int.
     """
-    return _per_sample_norm(
-        inputs,
-        scale,
-        bias,
-        num_members=num_members,
-        epsilon=epsilon,
-        dtype=dtype,
-        reduction_axes=reduction_axes,
-        feature_axes=feature_axes,
-        axis_name=axis_name,
-        axis_index_groups=axis_index_groups,
-        use_mean=True,
-        use_fast_variance=use_fast_variance,
-        mask=mask,
-    )
+    # Every argument, as given: the public signature stays explicit.
+    return _per_sample_norm(**locals(), use_mean=True)
 
 
 def ensemble_rms_norm(
@@ -337,21 +324,7 @@ def ensemble_rms_norm(
       ValueError: as :func:`ensemble_layer_norm`.
       TypeError: as :func:`ensemble_layer_norm`.
     """
-    return _per_sample_norm(
-        inputs,
-        scale,
-        None,
-        num_members=num_members,
-        epsilon=epsilon,
-        dtype=dtype,
-        reduction_axes=reduction_axes,
-        feature_axes=feature_axes,
-        axis_name=axis_name,
-        axis_index_groups=axis_index_groups,
-        use_mean=False,
-        use_fast_variance=use_fast_variance,
-        mask=mask,
-    )
+    return _per_sample_norm(**locals(), bias=None, use_mean=False)
 
 
 def _batch_axes(members, axis):

@@ -198,6 +198,10 @@ def make_layer(kind, num_members, features, rngs):
         return ensembles.BatchEnsembleConv(
             features, 3, (2,), num_members=num_members, impl="xla", rngs=rngs
         )
+    if kind == "einsum":
+        return ensembles.BatchEnsembleEinsum(
+            "btf,fo->bto", (features, 3), (3,), num_members=num_members, rngs=rngs
+        )
     if kind == "layer_norm":
         return ensembles.EnsembleLayerNorm(features, num_members=num_members, rngs=rngs)
     if kind == "rms_norm":
@@ -207,7 +211,15 @@ def make_layer(kind, num_members, features, rngs):
     )
 
 
-LAYERS = ["linear", "linear_general", "conv", "layer_norm", "rms_norm", "batch_norm"]
+LAYERS = [
+    "linear",
+    "linear_general",
+    "conv",
+    "einsum",
+    "layer_norm",
+    "rms_norm",
+    "batch_norm",
+]
 
 
 @SMALL
@@ -309,7 +321,7 @@ def wrong_shape(key, shape, dtype):
 def test_a_constructor_that_raises_draws_nothing_from_rngs(kind, num_members, which):
     rngs = nnx.Rngs(params=0, dropout=1)
     before = snapshot(rngs)
-    if kind in ("linear", "linear_general", "conv"):
+    if kind in ("linear", "linear_general", "conv", "einsum"):
         name = "kernel_init" if which == "first" else "s_init"
     elif kind == "rms_norm":
         name = "scale_init"
@@ -319,6 +331,7 @@ def test_a_constructor_that_raises_draws_nothing_from_rngs(kind, num_members, wh
         "linear": lambda **k: ensembles.BatchEnsembleLinear(3, 2, **k),
         "linear_general": lambda **k: ensembles.BatchEnsembleLinearGeneral(3, 2, **k),
         "conv": lambda **k: ensembles.BatchEnsembleConv(3, 2, (2,), **k),
+        "einsum": lambda **k: ensembles.BatchEnsembleEinsum("bf,fo->bo", (3, 2), **k),
         "layer_norm": lambda **k: ensembles.EnsembleLayerNorm(3, **k),
         "rms_norm": lambda **k: ensembles.EnsembleRMSNorm(3, **k),
         "batch_norm": lambda **k: ensembles.EnsembleBatchNorm(3, **k),

@@ -353,6 +353,11 @@ class EnsembleModule(nnx.Module):
         Returns:
           A new ``flax_module`` holding member k's state.
         """
+        if not hasattr(type(self), "flax_module"):
+            raise NotImplementedError(
+                f"{type(self).__name__} names no `flax_module`: set it (and "
+                f"`_flax_options`, `_member_params`) or override extract_member."
+            )
         k = check_member(member, self.num_members)
         options = {name: getattr(self, name) for name in self._flax_options}
         return plain_layer(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +51,8 @@ class _ConvBase(BatchEnsembleModule):
     """What the convolution layers share: the mask and the effective kernel."""
 
     _impls = conv.IMPLS
+    #: The options that say how ``r`` and ``s`` map onto the kernel's axes.
+    _kernel_layout: ClassVar[tuple[str, ...]]
 
     def _init_conv(self, options: Mapping[str, Any], kernel_shape: tuple[int, ...]):
         _check_mask(options["mask"], kernel_shape)
@@ -70,6 +72,12 @@ class _ConvBase(BatchEnsembleModule):
             # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
         return super()._apply(op, inputs, kernel, **options)
+
+    def _member_kernel(self, member: int) -> jax.Array:
+        layout = {name: getattr(self, name) for name in self._kernel_layout}
+        return conv.effective_kernel(
+            self.kernel[...], self.r[member], self.s[member], **layout
+        )
 
     def _member_state(self, member: int) -> dict[str, Any]:
         # eval_shape leaves the plain layer's mask abstract: set the real one.
@@ -164,6 +172,7 @@ class BatchEnsembleConv(_ConvBase):
         "mask",
         *WEIGHT_OPTIONS,
     )
+    _kernel_layout = ("feature_group_count",)
     _flax_functions = MappingProxyType(
         {
             "conv_general_dilated": (
@@ -302,14 +311,6 @@ class BatchEnsembleConv(_ConvBase):
         """
         return super().extract_member(member)
 
-    def _member_kernel(self, member: int) -> jax.Array:
-        return conv.effective_kernel(
-            self.kernel[...],
-            self.r[member],
-            self.s[member],
-            feature_group_count=self.feature_group_count,
-        )
-
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
@@ -415,6 +416,7 @@ class BatchEnsembleConvTranspose(_ConvBase):
         "transpose_kernel",
         *WEIGHT_OPTIONS,
     )
+    _kernel_layout = ("transpose_kernel",)
 
     def __init__(
         self,
@@ -531,14 +533,6 @@ class BatchEnsembleConvTranspose(_ConvBase):
           A new ``nnx.ConvTranspose``; this layer is not changed.
         """
         return super().extract_member(member)
-
-    def _member_kernel(self, member: int) -> jax.Array:
-        return conv.effective_kernel(
-            self.kernel[...],
-            self.r[member],
-            self.s[member],
-            transpose_kernel=self.transpose_kernel,
-        )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.

@@ -144,3 +144,20 @@ def cotangent_loss(fn, cotangent):
         return jnp.sum(y.astype(jnp.float32) * cotangent), y
 
     return loss
+
+
+def snapshot(*nodes):
+    """Every Variable value of ``nodes`` (models, Rngs), as numpy arrays."""
+    leaves = []
+    for node in nodes:
+        for leaf in jax.tree.leaves(nnx.state(node)):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            leaves.append(np.array(leaf))
+    return leaves
+
+
+def assert_same(before, after):
+    assert len(before) == len(after)
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, new)

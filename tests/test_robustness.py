@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import ensembles
 from ensembles import uncertainty
+from tests.reference import assert_same, snapshot
 
 SETTINGS = settings(max_examples=20, deadline=None)
 SMALL = settings(max_examples=15, deadline=None)
@@ -39,23 +40,6 @@ AGGREGATES = ["nll", "accuracy", "brier", "ece"]
 
 # What a diverged member or an overflowing logit puts into an example.
 BREAKAGES = ["nan", "+inf", "all -inf"]
-
-
-def snapshot(*nodes):
-    """Every Variable value of ``nodes`` (models, Rngs), as numpy arrays."""
-    leaves = []
-    for node in nodes:
-        for leaf in jax.tree.leaves(nnx.state(node)):
-            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                leaf = jax.random.key_data(leaf)
-            leaves.append(np.array(leaf))
-    return leaves
-
-
-def assert_same(before, after):
-    assert len(before) == len(after)
-    for old, new in zip(before, after, strict=True):
-        np.testing.assert_array_equal(old, new)
 
 
 def rngs_counts(rngs):

@@ -15,7 +15,7 @@ from tests.ops.test_einsum import (
     member_axis,
     reference,
 )
-from tests.reference import random_cotangent
+from tests.reference import assert_same, random_cotangent, snapshot
 from tests.tolerances import assert_close
 
 ONES = {"r_init": initializers.ones(), "s_init": initializers.ones()}
@@ -76,23 +76,6 @@ def layer_reference(layer, name, x, call_str=None):
 
 def split_members(y, axis, num_members):
     return jnp.split(y, num_members, axis=axis)
-
-
-def snapshot(*nodes):
-    """Every Variable value of ``nodes`` (modules, Rngs), as numpy arrays."""
-    leaves = []
-    for node in nodes:
-        for leaf in jax.tree.leaves(nnx.state(node)):
-            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-                leaf = jax.random.key_data(leaf)
-            leaves.append(np.array(leaf))
-    return leaves
-
-
-def assert_same(before, after):
-    assert len(before) == len(after)
-    for old, new in zip(before, after, strict=True):
-        np.testing.assert_array_equal(old, new)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -247,6 +247,8 @@ class EnsembleModule(nnx.Module):
     _flax_options: ClassVar[tuple[str, ...]] = ()
     _member_params: ClassVar[tuple[str, ...]] = ()
     _flax_functions: ClassVar[Mapping[str, tuple[Any, str]]] = MappingProxyType({})
+    #: Further arguments of the plain module :meth:`extract_member` builds.
+    _plain_arguments: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def _init_module(
         self, options: Mapping[str, Any], **params: ParamSpec | None
@@ -360,6 +362,7 @@ class EnsembleModule(nnx.Module):
             )
         k = check_member(member, self.num_members)
         options = {name: getattr(self, name) for name in self._flax_options}
+        options.update(self._plain_arguments)
         return plain_layer(
             lambda: self.flax_module(**options, rngs=nnx.Rngs(0)),
             **self._member_state(k),

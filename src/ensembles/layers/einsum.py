@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.module import first_from
-from flax.nnx.nn import dtypes
+from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
 from ensembles._checks import check_positive_int
@@ -108,6 +108,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
     flax_module = nnx.Einsum
     _flax_options = ("einsum_str", "kernel_shape", "bias_shape", *WEIGHT_OPTIONS)
     _flax_functions = MappingProxyType({"einsum_op": (jnp.einsum, "jnp.einsum")})
+    # nnx.Einsum keeps no kernel_init, and its default (LeCun normal) refuses a
+    # 1-D kernel even abstractly; the kernel is replaced at once anyway.
+    _plain_arguments = MappingProxyType({"kernel_init": initializers.zeros_init()})
     _impls = dense.IMPLS
 
     def __init__(

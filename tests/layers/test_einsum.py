@@ -176,6 +176,18 @@ def test_einsum_str_at_call_time(name, call_str):
     assert_close(layer(x), layer_reference(layer, name, x), scale=4)
 
 
+@pytest.mark.parametrize("member", [None, 1])
+def test_einsum_str_at_call_time_that_splits_the_kernel_otherwise_is_refused(member):
+    # Same sizes, so r and s would fit: only the split tells the strings apart.
+    layer = BatchEnsembleEinsum(
+        "BD,DF->BF", (4, 4), (4,), num_members=2, rngs=nnx.Rngs(0)
+    )
+    x = jnp.ones((6, 4) if member is None else (3, 4))
+    view = layer if member is None else nnx.view(layer, member=member)
+    with pytest.raises(ValueError, match=r"`einsum_str` 'BF,DF->BD' splits"):
+        view(x, einsum_str="BF,DF->BD")
+
+
 class TestViewsAndExtract:
     @pytest.mark.parametrize("name", list(CONFIGS))
     def test_member_view_and_extracted_member_match_reference(self, name):

@@ -452,6 +452,7 @@ class BatchEnsembleModule(EnsembleModule):
           kernel_init: replaces ``options["kernel_init"]`` (e.g. a wrapper).
           bias_init: replaces ``options["bias_init"]``.
         """
+        check_num_members(options["num_members"])
         impl = check_choice(options["impl"], "impl", self._impls)
         fast_metadata = options["fast_weight_metadata"]
         self._init_module(
@@ -481,7 +482,7 @@ class BatchEnsembleModule(EnsembleModule):
         kernel = layer.kernel
         return {
             **super()._flax_arguments(layer),
-            "kernel_init": lambda key, shape, dtype: jnp.reshape(kernel[...], shape),
+            "kernel_init": lambda key, shape, dtype: kernel[...],
             "kernel_metadata": kernel.get_metadata(),
         }
 

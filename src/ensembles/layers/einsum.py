@@ -247,18 +247,30 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
           inputs: ``[E*B, ...]`` member-major inputs; in a member view
             (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...]`` batch.
           einsum_str: replaces the layer's ``einsum_str`` for this call, as for
-            ``nnx.Einsum``; it must split the kernel's axes the same way.
+            ``nnx.Einsum``; it must keep the same kernel axes in the output
+            (where ``s`` applies) and contract the others (``r``).
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Einsum``; ``None`` leaves it to XLA.
 
         Returns:
           The outputs, laid out as ``einsum_str``'s output.
+
+        Raises:
+          ValueError: if ``einsum_str`` splits the kernel's axes otherwise than
+            the layer's, or does not fit ``inputs``.
         """
         einsum_str = first_from(
             einsum_str,
             self.einsum_str,
             error_msg="No `einsum_str` was given to BatchEnsembleEinsum.",
         )
+        if einsum.kept_axes(einsum_str) != einsum.kept_axes(self.einsum_str):
+            raise ValueError(
+                f"`einsum_str` {einsum_str!r} splits the kernel's axes into "
+                f"contracted and kept ones unlike the layer's {self.einsum_str!r}, "
+                f"which `r` and `s` were made for: keep each kernel letter in (or "
+                f"out of) the output as the layer's string does."
+            )
         outputs = self._apply(
             einsum.batch_ensemble_einsum, inputs, einsum_str=einsum_str
         )

@@ -298,6 +298,15 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
         )
 
+    @classmethod
+    def _flax_arguments(cls, layer: nnx.Module) -> dict[str, Any]:
+        # Our kernel_init is called flat (see _flat_initializer), as Flax's is.
+        kernel = layer.kernel
+        return {
+            **super()._flax_arguments(layer),
+            "kernel_init": lambda key, shape, dtype: jnp.reshape(kernel[...], shape),
+        }
+
     def _member_kernel(self, member: int) -> jax.Array:
         num_batch, num_in = len(self.batch_axis), len(self.in_features)
         num_out = len(self.out_features)

@@ -41,6 +41,7 @@ __all__ = [
     "batch_ensemble_einsum",
     "effective_kernel",
     "fast_weight_shapes",
+    "kept_axes",
     "parse",
 ]
 
@@ -194,6 +195,16 @@ def fast_weight_shapes(
         tuple(dims[c] for c in subscripts.contracted),
         tuple(dims[c] for c in subscripts.kept),
     )
+
+
+def kept_axes(einsum_str: str) -> tuple[bool, ...]:
+    """Per kernel axis: True where ``s`` spans it (kept), False where ``r`` does.
+
+    >>> kept_axes("BTD,NDH->BTNH")
+    (True, False, True)
+    """
+    subscripts = parse(einsum_str)
+    return tuple(c in subscripts.kept for c in subscripts.kernel)
 
 
 def _kernel_dims(subscripts: Subscripts, shape) -> dict[str, int]:

@@ -47,21 +47,18 @@ __all__ = [
 
 
 class Subscripts(NamedTuple):
-    """An ``einsum_str`` read for a member-major input (see :func:`parse`).
+    """An ``einsum_str`` read for a member-major input (see :func:`parse`)."""
 
-    Attributes:
-      inputs: the input's letters, one per axis (``inputs[0]`` is the member
-        axis); ``"..."`` is kept where :func:`parse` had no input rank.
-      kernel: the kernel's letters.
-      output: the output's letters.
-      contracted: the kernel's letters absent from the output, kernel order.
-      kept: the kernel's letters in the output, kernel order.
-    """
-
+    #: The input's letters, one per axis (the first is the member axis);
+    #: ``"..."`` is kept where :func:`parse` had no input rank.
     inputs: str
+    #: The kernel's letters.
     kernel: str
+    #: The output's letters.
     output: str
+    #: The kernel's letters absent from the output (``r``'s axes), kernel order.
     contracted: str
+    #: The kernel's letters in the output (``s``'s axes), kernel order.
     kept: str
 
     @property

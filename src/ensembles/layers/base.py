@@ -224,11 +224,14 @@ class EnsembleModule(nnx.Module):
       module has it, switched by ``use_<name>``); a member's slice is the Flax
       module's parameter of the same name;
     - ``_flax_functions``: Flax's injectable functions the twin cannot honour,
-      each with its default, ``{name: (default, shown as)}``.
+      each with its default, ``{name: (default, shown as)}``;
+    - ``_plain_arguments``: further arguments of the plain module
+      :meth:`extract_member` builds.
 
-    A subclass sets ``num_members`` and ``member`` (``None``: all members on a
-    member-major ``[E*B, ...]`` batch; ``k``: member ``k`` alone on an un-tiled
-    ``[B, ...]`` batch) and reads its ``[E, ...]`` arrays through ``_members``.
+    ``_init_module`` sets ``num_members`` and ``member`` (``None``: all members
+    on a member-major ``[E*B, ...]`` batch; ``k``: member ``k`` alone on an
+    un-tiled ``[B, ...]`` batch); a subclass reads its ``[E, ...]`` arrays
+    through ``_members``. See ``docs/architecture.md`` for the recipe.
 
     >>> from flax import nnx
     >>> import ensembles
@@ -247,7 +250,6 @@ class EnsembleModule(nnx.Module):
     _flax_options: ClassVar[tuple[str, ...]] = ()
     _member_params: ClassVar[tuple[str, ...]] = ()
     _flax_functions: ClassVar[Mapping[str, tuple[Any, str]]] = MappingProxyType({})
-    #: Further arguments of the plain module :meth:`extract_member` builds.
     _plain_arguments: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     def _init_module(

@@ -79,8 +79,9 @@ def split_members(y, axis, num_members):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_members", [1, 3])
+@pytest.mark.parametrize(
+    "dtype, num_members", [(jnp.float32, 1), (jnp.float32, 3), (jnp.bfloat16, 3)]
+)
 def test_forward_matches_flax_einsum_per_member(name, dtype, num_members):
     layer = make_layer(name, num_members, dtype=dtype, param_dtype=dtype)
     x = ensembles.tile(member_input(name, dtype=dtype), num_members)

@@ -454,7 +454,6 @@ class BatchEnsembleModule(EnsembleModule):
           kernel_init: replaces ``options["kernel_init"]`` (e.g. a wrapper).
           bias_init: replaces ``options["bias_init"]``.
         """
-        check_num_members(options["num_members"])
         impl = check_choice(options["impl"], "impl", self._impls)
         fast_metadata = options["fast_weight_metadata"]
         self._init_module(

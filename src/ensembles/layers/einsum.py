@@ -9,7 +9,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
@@ -259,12 +258,11 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
           ValueError: if ``einsum_str`` splits the kernel's axes otherwise than
             the layer's, or does not fit ``inputs``.
         """
-        einsum_str = first_from(
-            einsum_str,
-            self.einsum_str,
-            error_msg="No `einsum_str` was given to BatchEnsembleEinsum.",
-        )
-        if einsum.kept_axes(einsum_str) != einsum.kept_axes(self.einsum_str):
+        # The constructor always holds a checked einsum_str; only a call-time
+        # one needs the split compared.
+        if einsum_str is None:
+            einsum_str = self.einsum_str
+        elif einsum.kept_axes(einsum_str) != einsum.kept_axes(self.einsum_str):
             raise ValueError(
                 f"`einsum_str` {einsum_str!r} splits the kernel's axes into "
                 f"contracted and kept ones unlike the layer's {self.einsum_str!r}, "

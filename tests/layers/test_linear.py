@@ -513,3 +513,12 @@ def test_out_sharding_places_outputs_like_flax(make):
         y = layer(x, out_sharding=spec)
         assert jax.typeof(y).sharding.spec == spec
     np.testing.assert_array_equal(y, expected)
+
+
+def test_extract_member_of_a_module_without_flax_module_says_what_to_set():
+    class Custom(ensembles.layers.EnsembleModule):
+        def __init__(self):
+            self.num_members, self.member = 2, None
+
+    with pytest.raises(NotImplementedError, match=r"names no `flax_module`"):
+        Custom().extract_member(0)

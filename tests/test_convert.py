@@ -327,6 +327,35 @@ class TestSummary:
         assert info.deep_ensemble_params == 4 * (kernels + biases)
         text = str(info)
         assert "blocks/0" in text and "deep ensemble of 4" in text
+        assert info.shared_norms == ()
+
+    @pytest.mark.parametrize("norms", ["shared", "member"])
+    def test_norms(self, norms):
+        model = ensembles.to_batch_ensemble(
+            CNN(nnx.Rngs(0)), num_members=4, rngs=nnx.Rngs(1), norms=norms
+        )
+        info = ensembles.summary(model)
+        kernels = 3 * 3 * 3 * 8 + 3 * 3 * 8 * 8 + 8 * 5
+        biases = 8 + 8 + 5
+        norm_params = 2 * (8 + 8)  # bn1, bn2: scale and bias; no statistics
+        # One member alone: kernels (r, s folded in), one member's biases and
+        # one copy of the norm parameters, whether shared or per member.
+        assert info.single_params == kernels + biases + norm_params
+        assert info.deep_ensemble_params == 4 * info.single_params
+        if norms == "shared":
+            assert info.shared_norms == (
+                ("bn1", "BatchNorm", 16),
+                ("bn2", "BatchNorm", 16),
+            )
+            assert info.shared_params == kernels + norm_params
+            assert info.member_params == 4 * biases
+            rows = str(info).splitlines()
+            assert rows[4].split() == ["bn1", "BatchNorm", "16", "0", "0"]
+            assert rows[5].split() == ["bn2", "BatchNorm", "16", "0", "0"]
+        else:
+            assert info.shared_norms == ()
+            assert info.shared_params == kernels
+            assert info.member_params == 4 * (biases + norm_params)
 
     def test_plain_model(self):
         with pytest.raises(ValueError, match=r"holds no BatchEnsemble layer"):
@@ -465,6 +494,28 @@ class TestRealModels:
             assert_close(nnx.view(ensemble, member=k)(x), full[k], scale=10)
         wrapped = ensembles.Ensemble(ensemble, num_members=3)
         assert_close(wrapped(x), full, scale=10)
+
+
+@pytest.mark.parametrize("norms", ["shared", "member"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_model_cast_to_bfloat16_stays_bfloat16(name, norms):
+    """Cast after building (its param_dtype still says float32): stays bf16."""
+    cls, shape = MODELS[name]
+    model = trained_like(cls(nnx.Rngs(0)))
+    model.eval()
+    nnx.update(model, jax.tree.map(lambda a: a.astype(jnp.bfloat16), nnx.state(model)))
+    x = random_input(1, shape).astype(jnp.bfloat16)
+    expected = model(x)
+    assert expected.dtype == jnp.bfloat16
+    ensemble = ensembles.to_batch_ensemble(
+        model, num_members=2, rngs=nnx.Rngs(1), norms=norms, **ONES
+    )
+    dtypes = {a.dtype for a in jax.tree.leaves(nnx.state(ensemble))}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}, dtypes
+    y = ensemble(ensembles.tile(x, 2))
+    assert y.dtype == jnp.bfloat16
+    for k in range(2):
+        np.testing.assert_array_equal(ensembles.untile(y, 2)[k], expected)
 
 
 def test_member_batch_norm_keeps_statistics_apart():

@@ -104,6 +104,10 @@ class Ensemble(nnx.Module):
     def extract_member(self, member: int) -> Any:
         """Returns member ``member`` of the wrapped model as a plain Flax model.
 
+        It maps an un-tiled ``[B, ...]`` batch as ``nnx.view(self,
+        member=member)`` does, up to rounding (see
+        :func:`ensembles.extract_member`).
+
         Args:
           member: the member index k.
 
@@ -120,9 +124,12 @@ def extract_member(model: M, member: int) -> M:
     member's effective weights (``nnx.Linear`` with kernel
     ``kernel * outer(r_k, s_k)`` and bias ``bias_k``; per-member norms by the
     Flax norm with member ``k``'s scale, bias and statistics). The result maps
-    an un-tiled ``[B, ...]`` batch exactly as member ``k`` does, and as
-    ``nnx.view(model, member=k)`` does. ``model`` is not changed and shares no
-    Variables with the result.
+    an un-tiled ``[B, ...]`` batch as member ``k`` does, and as
+    ``nnx.view(model, member=k)`` does, up to rounding: its layers hold the
+    product ``kernel * outer(r_k, s_k)``, where the ensemble and the view
+    compute with ``kernel``, ``r_k`` and ``s_k``, so the outputs need not be
+    bit-exact. ``model`` is not changed and shares no Variables with the
+    result.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx

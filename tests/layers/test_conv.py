@@ -17,7 +17,12 @@ from jax import lax
 import ensembles
 from ensembles import BatchEnsembleConv, BatchEnsembleConvTranspose, initializers
 from ensembles.layers.base import without_member_axis_metadata
-from tests.reference import conv_effective_kernel, flax_member_outputs
+from tests.reference import (
+    assert_same,
+    conv_effective_kernel,
+    flax_member_outputs,
+    snapshot,
+)
 from tests.tolerances import assert_close
 
 NUM_MEMBERS, BATCH = 2, 2
@@ -458,6 +463,21 @@ CONVERT_CASES = [
         },
         id="transpose-kernel-circular",
     ),
+    # Flax reads lax's padding names in any case; so must a converted layer.
+    pytest.param(False, {"kernel_size": (3, 3), "padding": "same"}, id="conv-same"),
+    pytest.param(
+        False,
+        {"kernel_size": (3, 3), "padding": "Valid", "strides": 2},
+        id="conv-valid",
+    ),
+    pytest.param(
+        False, {"kernel_size": (4, 4), "padding": "same_lower"}, id="conv-same-lower"
+    ),
+    # (nnx.ConvTranspose passes lower case on to lax.conv_transpose, which
+    # reads it as the dilated convolution's padding: strides > 1 then fail in
+    # Flax too.)
+    pytest.param(True, {"kernel_size": (3, 3), "padding": "valid"}, id="t-valid"),
+    pytest.param(True, {"kernel_size": (4, 3), "padding": "same"}, id="t-same"),
 ]
 
 
@@ -807,23 +827,46 @@ class TestErrors:
             )
 
     @pytest.mark.parametrize(
-        "cls, kwargs, match",
+        "cls, padding, match",
         [
             (
                 BatchEnsembleConv,
-                {"padding": "CAUSAL"},
+                "CAUSAL",
                 r"`padding='CAUSAL'` is only defined for 1-D",
             ),
             (
                 BatchEnsembleConv,
-                {"padding": "FULL"},
+                "FULL",
                 r"`padding` must be one of \['SAME'.*got 'FULL'",
             ),
             (
                 BatchEnsembleConv,
-                {"padding": [1, 2, 3]},
+                [1, 2, 3],
                 r"`padding` must be one of .*got \[1, 2, 3\]",
             ),
+            (BatchEnsembleConv, "circular", r"got 'circular'.*write 'CIRCULAR'"),
+            (
+                BatchEnsembleConvTranspose,
+                "REFLECT",
+                r"`padding='REFLECT'` is not defined for transposed",
+            ),
+            (
+                BatchEnsembleConvTranspose,
+                "CAUSAL",
+                r"`padding='CAUSAL'` is not defined for transposed",
+            ),
+        ],
+    )
+    def test_bad_padding_raises_at_construction(self, cls, padding, match):
+        rngs = nnx.Rngs(0)
+        before = snapshot(rngs)
+        with pytest.raises(ValueError, match=match):
+            cls(4, 6, (3, 3), num_members=3, padding=padding, rngs=rngs)
+        assert_same(before, snapshot(rngs))
+
+    @pytest.mark.parametrize(
+        "cls, kwargs, match",
+        [
             (
                 BatchEnsembleConv,
                 {"strides": (1, 2, 1)},
@@ -838,16 +881,6 @@ class TestErrors:
                 BatchEnsembleConv,
                 {"input_dilation": (1, "2")},
                 r"`input_dilation` must be an int >= 1",
-            ),
-            (
-                BatchEnsembleConvTranspose,
-                {"padding": "REFLECT"},
-                r"`padding='REFLECT'` is not defined for transposed",
-            ),
-            (
-                BatchEnsembleConvTranspose,
-                {"padding": "CAUSAL"},
-                r"`padding='CAUSAL'` is not defined for transposed",
             ),
             (
                 BatchEnsembleConvTranspose,

@@ -5,6 +5,7 @@ Their numerics are tested through the layers against nnx.Conv / ConvTranspose
 formula and the errors, which must name the argument and show the value.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,6 +139,16 @@ OPS = [
         ({"kernel_dilation": -1}, ValueError, r"`kernel_dilation` must be an int >= 1"),
         ({"padding": "FULL"}, ValueError, r"`padding` must be one of .*got 'FULL'"),
         (
+            {"padding": "circular"},
+            ValueError,
+            r"`padding` must be one of .*got 'circular'.*write 'CIRCULAR'",
+        ),
+        (
+            {"kernel": (0, 3, 4, 6)},
+            ValueError,
+            r"`kernel` must have no zero-size axis.*got shape \(0, 3, 4, 6\)",
+        ),
+        (
             {"padding": [(1, 2, 3), 1]},
             ValueError,
             r"`padding` must be one of .*got \[\(1, 2, 3\), 1\]",
@@ -197,3 +208,30 @@ def test_transpose_kernel_swaps_channel_axes():
         x, swapped, r, s, bias, num_members=2, transpose_kernel=True
     )
     assert y.shape == (6, 5, 5, 6)
+
+
+@pytest.mark.parametrize("padding", ["same", "Valid", "same_lower", "SAME_LOWER"])
+def test_lax_paddings_in_any_case(padding):
+    """As lax (and so Flax) reads them: ``nnx.Conv(padding="same")`` works.
+
+    (A transposed convolution passes them to ``lax.conv_transpose`` as given,
+    which reads only upper-case 'SAME'/'VALID' as its own; the layer tests
+    compare that with ``nnx.ConvTranspose``.)
+    """
+    x, kernel, r, s, bias = conv_args()
+    op = batch_ensemble_conv
+    expected = op(x, kernel, r, s, bias, num_members=2, padding=padding.upper())
+    actual = op(x, kernel, r, s, bias, num_members=2, padding=padding)
+    np.testing.assert_array_equal(actual, expected)
+
+
+def test_empty_batch():
+    x, kernel, r, s, bias = conv_args()
+    for op in (batch_ensemble_conv, batch_ensemble_conv_transpose):
+        full = op(x, kernel, r, s, bias, num_members=2)
+        empty = op(x[:0], kernel, r, s, bias, num_members=2)
+        assert empty.shape == (0, *full.shape[1:]) and empty.dtype == full.dtype
+        grads = jax.grad(
+            lambda *a, op=op: jnp.sum(op(*a, num_members=2)), argnums=range(5)
+        )(x[:0], kernel, r, s, bias)
+        assert all(not np.any(np.asarray(g)) for g in grads)

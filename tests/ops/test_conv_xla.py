@@ -3,8 +3,8 @@
 ``conv_by_member(..., ConvSpec(..., params=...))`` forces each backward
 formulation (``None``: the measured table's choice). Gradients are taken with
 ``jax.grad(..., argnums=...)`` over only the differentiated operands, so the
-``custom_vjp``'s symbolic zeros see the others as not perturbed and the
-backward runs exactly the case under test. The reference loops over members
+op's forward-mode rule sees the others carry no tangent and the backward runs
+exactly the case under test. The reference loops over members
 and runs ``lax.conv_general_dilated`` with each member's explicit effective
 kernel (:func:`tests.reference.conv_effective_kernel`), differentiated in
 float32 on upcast operands.
@@ -198,7 +198,7 @@ def _check(case: Case, argnums, params, jit=True, primal=False):
     """Forward value and gradients w.r.t. ``argnums`` against the reference.
 
     ``primal``: also check the forward called outside differentiation (the
-    ``custom_vjp``'s primal rule, which does not depend on ``argnums``).
+    op primitive's own evaluation, which does not depend on ``argnums``).
     """
     args = _args(case)[:4]
     y_ref, _ = _reference(case, False)
@@ -374,8 +374,8 @@ def test_first_layer_conv_count(case, params, kernel_gradients, input_gradients)
     assert shapes.count(x.shape) == input_gradients, shapes
 
 
-def test_conv_walk_sees_inside_custom_vjp():
-    """The counter is not vacuous: the forward's conv lives in sub-jaxprs."""
+def test_conv_walk_sees_inside_the_op_primitive():
+    """The counter is not vacuous: the forward's conv lives inside the primitive."""
     x, kernel, r, s, _ = _args(COUNT_CASE)
     spec = _spec(COUNT_CASE)
     jaxpr = jax.make_jaxpr(lambda *a: conv_xla.conv_by_member(*a, spec))(

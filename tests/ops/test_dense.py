@@ -181,7 +181,66 @@ class TestErrors:
         with pytest.raises(error, match=r"`num_members` must be an int >= 1"):
             batch_ensemble_dense(x, kernel, r, s, bias, num_members=bad)
 
+    @pytest.mark.parametrize("impl", ["xla", "pallas"])
+    def test_zero_size_features(self, impl):
+        x, kernel, r, s, bias = self.args()
+        extra = {"interpret": True} if impl == "pallas" else {}
+        with pytest.raises(
+            ValueError, match=r"`kernel` must have at least one input and one output"
+        ):
+            batch_ensemble_dense(
+                x[:, :0], kernel[:0], r[:, :0], s, bias, num_members=2, impl=impl,
+                **extra,
+            )  # fmt: skip
+
     def test_unknown_impl(self):
         x, kernel, r, s, bias = self.args()
         with pytest.raises(ValueError, match=r"`impl` must be one of .*'cuda'"):
             batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, impl="cuda")
+
+
+# Every impl over one shape grid, empty batches included: (E, rows per member,
+# middle axes, in, out). Pallas runs in its interpreter off a GPU.
+IMPL_GRID = [
+    (2, 0, (), 5, 3),
+    (2, 3, (0,), 5, 3),
+    (1, 0, (2,), 4, 4),
+    (3, 1, (), 5, 3),
+    (2, 5, (2,), 7, 9),
+    (2, 16, (), 16, 16),
+]
+
+
+@pytest.mark.parametrize(
+    "num_members, rows, middle, in_features, out_features", IMPL_GRID
+)
+def test_every_impl_gives_the_same_answer(
+    num_members, rows, middle, in_features, out_features
+):
+    args = make_args(
+        3, num_members, rows, middle, in_features, out_features, jnp.float32
+    )
+    options = {"xla": {}, "auto": {}, "pallas": {"interpret": True}}
+    assert set(options) == set(IMPLS)
+    cotangent = jnp.ones((num_members * rows, *middle, out_features))
+    results = {}
+    for impl, extra in options.items():
+
+        def op(*a, impl=impl, extra=extra):
+            return batch_ensemble_dense(*a, num_members=num_members, impl=impl, **extra)
+
+        y = op(*args)
+        grads = jax.grad(
+            lambda *a, op=op: jnp.sum(op(*a) * cotangent), argnums=range(5)
+        )(*args)
+        results[impl] = (y, grads)
+    reference = dense_reference(*args, num_members)
+    for impl, (y, grads) in results.items():
+        assert y.shape == reference.shape == (num_members * rows, *middle, out_features)
+        assert y.dtype == jnp.float32, impl
+        assert_close(y, reference, jnp.float32, scale=4, err_msg=impl)
+        for g, g_xla, a in zip(grads, results["xla"][1], args, strict=True):
+            assert g.shape == a.shape and g.dtype == a.dtype, impl
+            assert_close(g, g_xla, jnp.float32, scale=4, err_msg=impl)
+            if not reference.size:  # an empty batch: nothing to differentiate
+                assert not np.any(np.asarray(g)), impl

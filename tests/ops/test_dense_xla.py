@@ -3,8 +3,8 @@
 ``dense_by_member(..., formulation=...)`` forces each of the four
 formulations (``None``: the cost model's choice). Gradients are taken with
 ``jax.grad(..., argnums=...)`` over only the differentiated operands, so the
-``custom_vjp``'s symbolic zeros see the others as not perturbed and the
-backward runs exactly the case under test. The reference is the per-member
+op's forward-mode rule sees the others carry no tangent and the backward runs
+exactly the case under test. The reference is the per-member
 loop of :func:`tests.reference.dense_reference`, differentiated in float32.
 """
 
@@ -97,8 +97,8 @@ def _check(case, argnums, formulation, jit=False, primal=True):
     """Forward value and gradients w.r.t. ``argnums`` against the reference.
 
     ``case`` is ``(seed, num_members, batch, middle, dtype)``. ``primal``: also
-    check the forward called outside differentiation (the ``custom_vjp``'s
-    primal rule, which does not depend on ``argnums``).
+    check the forward called outside differentiation (the op primitive's
+    own evaluation, which does not depend on ``argnums``).
     """
     args = _args(*case)
     y_ref, grads_ref = _reference(*case)
@@ -308,8 +308,8 @@ def test_no_matmul_beyond_a_plain_dense_layer(formulation, argnums, plain_argnum
     assert len(_matmuls(ensemble)) == expected, _matmuls(ensemble)
 
 
-def test_dot_walk_sees_inside_custom_vjp():
-    """The counter is not vacuous: the forward's dot lives in sub-jaxprs."""
+def test_dot_walk_sees_inside_the_op_primitive():
+    """The counter is not vacuous: the forward's dot lives inside the primitive."""
     x, kernel, r, s, bias = make_args(0, 2, 3, (), 7, 5, jnp.float32)
     jaxpr = jax.make_jaxpr(dense_xla.dense_by_member)(x, kernel, r, s, bias)
     assert not any(e.primitive.name == "dot_general" for e in jaxpr.jaxpr.eqns)
@@ -421,22 +421,3 @@ def test_every_cost_model_says_where_it_was_measured():
     for backend, model in COST_MODELS.items():
         assert isinstance(model.where, str), backend
         assert model.where.strip(), backend
-
-
-def test_needs_round_trip_through_the_residual_key():
-    for needs in ALL_NEEDS:
-        assert Needs.from_residuals({needs.key(): (), "kernels": ()}) == needs
-
-
-# --- forward mode -----------------------------------------------------------
-
-
-def test_forward_mode_raises():
-    """Documented in ``dense_xla``: jvp of a ``custom_vjp`` raises."""
-    x, kernel, r, s, bias = make_args(0, 2, 3, (), 7, 5, jnp.float32)
-
-    def f(x):
-        return batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, impl="xla")
-
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.jvp(f, (x,), (jnp.ones_like(x),))

@@ -348,8 +348,9 @@ class EnsembleModule(nnx.Module):
     def extract_member(self, member: int) -> nnx.Module:
         """Returns member ``member`` as the plain Flax module it behaves as.
 
-        It maps an un-tiled ``[B, ...]`` batch exactly as ``nnx.view(self,
-        member=member)`` does; this module is not changed.
+        It maps an un-tiled ``[B, ...]`` batch as ``nnx.view(self,
+        member=member)`` does (up to rounding for the weight layers, whose
+        plain layer holds the scaled kernel); this module is not changed.
 
         Args:
           member: the member index k, ``0 <= k < num_members``.
@@ -483,6 +484,11 @@ class BatchEnsembleModule(EnsembleModule):
         kernel = layer.kernel
         return {
             **super()._flax_arguments(layer),
+            # The dtype the parameters are held in: a model cast after it was
+            # built (its state to bfloat16, say) keeps a stale `param_dtype`,
+            # and new fast weights drawn in it would promote every member's
+            # computation back to float32.
+            "param_dtype": kernel.dtype,
             "kernel_init": lambda key, shape, dtype: kernel[...],
             "kernel_metadata": kernel.get_metadata(),
         }

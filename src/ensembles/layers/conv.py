@@ -129,9 +129,10 @@ class BatchEnsembleConv(_ConvBase):
       kernel_size: the spatial shape of the kernel (an int for 1-D).
       strides: an int or one int per spatial dimension (default: 1).
       num_members: the ensemble size E (keyword-only, required).
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
-        ``'CAUSAL'`` (1-D only), an int, or one int or ``(low, high)`` pair per
-        spatial dimension, as for ``nnx.Conv``.
+      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
+        ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D only), an int, or one
+        int or ``(low, high)`` pair per spatial dimension, as for ``nnx.Conv``;
+        checked here (:func:`ensembles.ops.conv.check_padding`).
       input_dilation: an int or one int per spatial dimension (default: 1).
       kernel_dilation: an int or one int per spatial dimension (default: 1).
       feature_group_count: the number of feature groups; it must divide
@@ -214,6 +215,7 @@ class BatchEnsembleConv(_ConvBase):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = _kernel_size(kernel_size)
+        conv.check_padding(padding, len(kernel_size))
         feature_group_count = check_positive_int(
             feature_group_count, "feature_group_count"
         )
@@ -380,10 +382,11 @@ class BatchEnsembleConvTranspose(_ConvBase):
       kernel_size: the spatial shape of the kernel (an int for 1-D).
       strides: an int or one int per spatial dimension (default: 1).
       num_members: the ensemble size E (keyword-only, required).
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, an int, or one int or
-        ``(low, high)`` pair per spatial dimension, as for
-        ``nnx.ConvTranspose``. (``'CAUSAL'`` and ``'REFLECT'`` raise a
-        ``ValueError``: ``nnx.ConvTranspose`` does not implement them either.)
+      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
+        ``'CIRCULAR'``, an int, or one int or ``(low, high)`` pair per spatial
+        dimension, as for ``nnx.ConvTranspose``. (``'CAUSAL'`` and
+        ``'REFLECT'`` raise a ``ValueError`` here: ``nnx.ConvTranspose`` does
+        not implement them either.)
       kernel_dilation: an int or one int per spatial dimension (default: 1).
       use_bias: whether to add a per-member bias (default: True).
       mask: an optional array of the kernel's shape multiplied into the kernel.
@@ -449,6 +452,7 @@ class BatchEnsembleConvTranspose(_ConvBase):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = _kernel_size(kernel_size)
+        conv.check_padding(padding, len(kernel_size), transpose=True)
         if transpose_kernel:
             channels = (out_features, in_features)
         else:

@@ -561,8 +561,10 @@ class EnsembleBatchNorm(_Norm):
             norm, "norm", num_members=num_members, rngs=nnx.Rngs(0)
         )
         shape = ensemble.mean.shape
-        ensemble.mean[...] = jnp.broadcast_to(norm.mean[...], shape)
-        ensemble.var[...] = jnp.broadcast_to(norm.var[...], shape)
+        # set_value, not [...] =: the statistics keep the source's dtype (a
+        # model cast to bfloat16 keeps bfloat16 running averages).
+        ensemble.mean.set_value(jnp.broadcast_to(norm.mean[...], shape))
+        ensemble.var.set_value(jnp.broadcast_to(norm.var[...], shape))
         return ensemble
 
     def extract_member(self, member: int) -> nnx.BatchNorm:

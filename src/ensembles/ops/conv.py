@@ -41,6 +41,7 @@ from ensembles._checks import (
     check_num_members,
     check_positive_int,
 )
+from ensembles.ops.autodiff import static_precision
 from ensembles.ops.conv_xla import (
     ConvSpec,
     conv_by_member,
@@ -51,6 +52,7 @@ __all__ = [
     "batch_ensemble_conv",
     "batch_ensemble_conv_transpose",
     "check_impl",
+    "check_padding",
     "effective_kernel",
     "resolve_impl",
 ]
@@ -159,22 +161,86 @@ def _tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]:
     return tuple(check_positive_int(v, name) for v in values)
 
 
-_CONV_PADDINGS = ("SAME", "SAME_LOWER", "VALID", "CIRCULAR", "REFLECT", "CAUSAL")
-_TRANSPOSE_PADDINGS = ("SAME", "SAME_LOWER", "VALID", "CIRCULAR")
+#: The padding strings lax reads in any case; Flax's own modes it does not.
+_LAX_PADDINGS = ("SAME", "SAME_LOWER", "VALID")
+_FLAX_PADDINGS = {"conv": ("CIRCULAR", "REFLECT", "CAUSAL"), "transpose": ("CIRCULAR",)}
 
 
-def _padding(padding: Any, rank: int, names: tuple[str, ...]) -> Any:
-    message = (
-        f"`padding` must be one of {list(names)}, an int, or a sequence of "
-        f"{rank} ints or (low, high) pairs, got {padding!r}."
-    )
+def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:
+    """Checks a convolution's ``padding`` as Flax and lax accept it; canonical form.
+
+    ``'SAME'``, ``'SAME_LOWER'`` and ``'VALID'`` are read in any case, as
+    ``jax.lax`` reads them (``nnx.Conv(padding="same")`` works); Flax's own
+    modes ``'CIRCULAR'``, ``'REFLECT'`` and ``'CAUSAL'`` (1-D only) only in
+    upper case, as ``nnx.Conv`` recognises them (it passes ``'circular'`` on to
+    lax, which fails at call time). Transposed convolutions take
+    ``'CIRCULAR'`` but not ``'REFLECT'`` or ``'CAUSAL'``, as
+    ``nnx.ConvTranspose``. Ints and sequences are Flax's
+    ``canonicalize_padding`` forms.
+
+    >>> check_padding("same", 2)
+    'SAME'
+    >>> check_padding(1, 2)
+    ((1, 1), (1, 1))
+
+    Args:
+      padding: the padding as given to the layer or op.
+      rank: the number of spatial dimensions.
+      transpose: whether the convolution is transposed.
+
+    Returns:
+      A padding string (upper case, except a transposed convolution's lax
+      names, which ``lax.conv_transpose`` reads case by case: only upper-case
+      ``'SAME'``/``'VALID'`` mean the transposed convolution's padding, other
+      spellings the padding of the dilated convolution it runs, in
+      ``nnx.ConvTranspose`` too) or a tuple of one ``(low, high)`` pair per
+      spatial dimension.
+
+    Raises:
+      ValueError: if ``padding`` is not a padding these convolutions accept;
+        the message says which are.
+    """
+    own = _FLAX_PADDINGS["transpose" if transpose else "conv"]
+    names = [*_LAX_PADDINGS, *own]
+    if isinstance(padding, str):
+        if padding.upper() in _LAX_PADDINGS:
+            # lax.conv_transpose gives only upper-case 'SAME' and 'VALID' the
+            # transposed convolution's padding; other spellings reach the
+            # dilated convolution underneath as they are, and so they do in
+            # nnx.ConvTranspose: a transposed layer passes them on unchanged.
+            return padding if transpose else padding.upper()
+        if padding in own:
+            if padding == "CAUSAL" and rank != 1:
+                raise ValueError(
+                    f"`padding='CAUSAL'` is only defined for 1-D convolutions (as "
+                    f"in `nnx.Conv`), got a {rank}-D kernel."
+                )
+            return padding
+        if padding in ("REFLECT", "CAUSAL"):  # transposed
+            raise ValueError(
+                f"`padding={padding!r}` is not defined for transposed convolutions "
+                f"(`nnx.ConvTranspose` does not implement it either): use 'SAME', "
+                f"'VALID', 'CIRCULAR' or explicit (low, high) pairs."
+            )
+        if padding.upper() in own:
+            raise ValueError(
+                f"`padding` must be one of {names} (the first three in any case), "
+                f"an int, or a sequence of {rank} ints or (low, high) pairs, got "
+                f"{padding!r}: Flax recognises its own modes in upper case only "
+                f"(`nnx.Conv(padding={padding!r})` fails when called); write "
+                f"{padding.upper()!r}."
+            )
     try:
-        padding = canonicalize_padding(padding, rank)
+        canonical = canonicalize_padding(padding, rank)
     except (ValueError, TypeError):
-        raise ValueError(message) from None
-    if isinstance(padding, str) and padding not in names:
-        raise ValueError(message)
-    return padding
+        canonical = None
+    if canonical is None or isinstance(canonical, str):
+        raise ValueError(
+            f"`padding` must be one of {names} (the first three in any case), an "
+            f"int, or a sequence of {rank} ints or (low, high) pairs, got "
+            f"{padding!r}."
+        )
+    return tuple(tuple(pair) for pair in canonical)
 
 
 def _check_shapes(
@@ -185,6 +251,11 @@ def _check_shapes(
         raise ValueError(
             f"`kernel` must have shape [*kernel_size, in, out] with at least one "
             f"spatial dimension, got shape {kernel.shape}."
+        )
+    if 0 in kernel.shape:
+        raise ValueError(
+            f"`kernel` must have no zero-size axis (at least one tap, input and "
+            f"output channel), got shape {kernel.shape}."
         )
     rank = kernel.ndim - 2
     if inputs.ndim < rank + 2:
@@ -272,7 +343,7 @@ def _conv_xla(
         input_dilation,
         kernel_dilation,
         feature_group_count,
-        precision,
+        static_precision(precision),
         preferred_element_type,
     )
     y = conv_by_member(x, kernel, r, s, spec)
@@ -327,9 +398,10 @@ def batch_ensemble_conv(
       bias: ``[E, out_features]`` per-member bias, or ``None``.
       num_members: the ensemble size E.
       strides: an int or one int per spatial dimension.
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, ``'REFLECT'``,
-        ``'CAUSAL'`` (1-D only), an int, or one int or ``(low, high)`` pair per
-        spatial dimension.
+      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
+        ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D only), an int, or one
+        int or ``(low, high)`` pair per spatial dimension (see
+        :func:`check_padding`).
       input_dilation: an int or one int per spatial dimension.
       kernel_dilation: an int or one int per spatial dimension.
       feature_group_count: the number of feature groups G; it must divide
@@ -371,12 +443,7 @@ def batch_ensemble_conv(
             f"`feature_group_count` (={groups}) must divide out_features "
             f"(={out_features}, `kernel.shape[-1]`)."
         )
-    padding = _padding(padding, rank, _CONV_PADDINGS)
-    if padding == "CAUSAL" and rank != 1:
-        raise ValueError(
-            f"`padding='CAUSAL'` is only defined for 1-D convolutions (as in "
-            f"`nnx.Conv`), got a {rank}-D kernel of shape {kernel.shape}."
-        )
+    padding = check_padding(padding, rank)
     return _IMPLEMENTATIONS[impl](
         inputs,
         kernel,
@@ -491,10 +558,10 @@ def batch_ensemble_conv_transpose(
       bias: ``[E, out_features]`` per-member bias, or ``None``.
       num_members: the ensemble size E.
       strides: an int or one int per spatial dimension (``None``: 1).
-      padding: ``'SAME'``, ``'VALID'``, ``'CIRCULAR'``, an int, or one int or
-        ``(low, high)`` pair per spatial dimension. ``'CAUSAL'`` and
-        ``'REFLECT'`` are rejected: ``nnx.ConvTranspose`` does not implement
-        them either.
+      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
+        ``'CIRCULAR'``, an int, or one int or ``(low, high)`` pair per spatial
+        dimension. ``'CAUSAL'`` and ``'REFLECT'`` are rejected:
+        ``nnx.ConvTranspose`` does not implement them either.
       kernel_dilation: an int or one int per spatial dimension (``None``: 1).
       transpose_kernel: if True, flip the spatial axes and swap the channel
         axes of the kernel, as ``jax.lax.conv_transpose`` does.
@@ -533,13 +600,7 @@ def batch_ensemble_conv_transpose(
         if transpose_kernel
         else "`kernel.shape[-2]`",
     )
-    if isinstance(padding, str) and padding in ("CAUSAL", "REFLECT"):
-        raise ValueError(
-            f"`padding={padding!r}` is not defined for transposed convolutions "
-            f"(`nnx.ConvTranspose` does not implement it either): use 'SAME', "
-            f"'VALID', 'CIRCULAR' or explicit (low, high) pairs."
-        )
-    padding = _padding(padding, rank, _TRANSPOSE_PADDINGS)
+    padding = check_padding(padding, rank, transpose=True)
     return _TRANSPOSE_IMPLEMENTATIONS[impl](
         inputs,
         kernel,

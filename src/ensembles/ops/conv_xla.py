@@ -37,14 +37,19 @@ XLA's CPU backend than one of ``E*B`` rows), so only measurement can say.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.vjp import PARAM_GRADIENTS, Needs, backward, save
+from ensembles.ops.autodiff import (
+    PARAM_GRADIENTS,
+    Needs,
+    Rules,
+    accumulation_dtype,
+    define,
+)
 
 __all__ = [
     "KERNELS_MEASURED",
@@ -162,10 +167,52 @@ def _members(a, num_members: int):
     return a.reshape(num_members, -1, *a.shape[1:])
 
 
-def _forward(x, kernel, r, s, spec: ConvSpec):
+def _output_dtype(x, kernel, r, s, spec: ConvSpec):
+    """The output's dtype: ``z * s``'s."""
+    product = spec.preferred_element_type or jnp.result_type(x, r, kernel)
+    return jnp.result_type(product, s)
+
+
+def _product(x, kernel, r, spec: ConvSpec):
+    """``z = conv(x * r, W)``, the unscaled convolution, ``[E, N, ..., out]``."""
+    return _members(spec.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
+
+
+def _forward(x, kernel, r, s, spec: ConvSpec, params: str):
     """``(y, z)``: the output and the unscaled convolution ``z``."""
-    z = _members(spec.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
-    return z * _per_channel(s, z), z
+    del params  # one forward formulation
+    z = _product(x, kernel, r, spec)
+    return (z * _per_channel(s, z)).astype(_output_dtype(x, kernel, r, s, spec)), z
+
+
+def _tangent(x, kernel, r, s, z, tangents, spec: ConvSpec):
+    """``dy``, linear in the tangents of ``(x, kernel, r, s)`` (``None``: none).
+
+    ``dy = (conv(dx * r + x * dr, W) + conv(x * r, dW)) * s + z * ds``.
+    """
+    dx, dkernel, dr, ds = tangents
+    num_members = r.shape[0]
+    dscaled = None
+    if dx is not None:
+        dscaled = dx * _per_channel(r, dx)
+    if dr is not None:
+        term = x * _per_channel(dr, x)
+        dscaled = term if dscaled is None else dscaled + term
+    dz = (
+        None
+        if dscaled is None
+        else _members(spec.conv(_flat(dscaled), kernel), num_members)
+    )
+    if dkernel is not None:
+        term = _members(spec.conv(_flat(x * _per_channel(r, x)), dkernel), num_members)
+        dz = term if dz is None else dz + term
+    dy = None if dz is None else dz * _per_channel(s, dz)
+    if ds is not None:
+        if z is None:
+            z = _product(x, kernel, r, spec)
+        term = z * _per_channel(ds, z)
+        dy = term if dy is None else dy + term
+    return dy.astype(_output_dtype(x, kernel, r, s, spec))
 
 
 def _input_gradient(scaled_x_like, kernel, gs, spec: ConvSpec):
@@ -195,9 +242,10 @@ def _out_dtype(x, kernel, spec: ConvSpec):
     ).dtype
 
 
-def _sum_to_channels(a):
-    """``[E, ..., C]`` -> ``[E, C]``, summed in float32."""
-    return jnp.sum(a, axis=tuple(range(1, a.ndim - 1)), dtype=jnp.float32)
+def _sum_to_channels(a, spec: ConvSpec):
+    """``[E, ..., C]`` -> ``[E, C]``, accumulated in at least float32."""
+    dtype = accumulation_dtype(a, preferred_element_type=spec.preferred_element_type)
+    return jnp.sum(a, axis=tuple(range(1, a.ndim - 1)), dtype=dtype)
 
 
 def _activation_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
@@ -209,11 +257,13 @@ def _activation_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
         if needs.inputs:
             dx = u * _per_channel(r, u)
         if needs.r:
-            dr = _sum_to_channels(u * x)
+            dr = _sum_to_channels(u * x, spec)
     if needs.kernel:
         dkernel = _kernel_gradient(_flat(scaled), kernel, _flat(gs), spec)
     if needs.s:
-        ds = _sum_to_channels(g * z)
+        if z is None:
+            z = _product(x, kernel, r, spec)
+        ds = _sum_to_channels(g * z, spec)
     return dx, dkernel, dr, ds
 
 
@@ -248,9 +298,12 @@ def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
     def per_member(weights_of, keep_axis):
         """``[E, C]``: ``sum(M_k * W * weights_of(k))`` over all axes but one."""
         axes = tuple(a for a in range(kernel.ndim) if a != keep_axis)
+        sum_dtype = accumulation_dtype(
+            m[0], kernel, r, s, preferred_element_type=spec.preferred_element_type
+        )
         return jnp.stack(
             [
-                jnp.sum(m_k * kernel * weights_of(k), axis=axes, dtype=jnp.float32)
+                jnp.sum(m_k * kernel * weights_of(k), axis=axes, dtype=sum_dtype)
                 for k, m_k in enumerate(m)
             ]
         )
@@ -262,7 +315,8 @@ def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
     return dx, dkernel, dr, ds
 
 
-def _pick(spec: ConvSpec, needs: Needs) -> str:
+def _plan(x, kernel, r, s, spec: ConvSpec, needs: Needs) -> str:
+    del x, kernel, r, s  # the measured table is per backend and case
     if spec.params is not None:
         if spec.params == "kernels" and spec.feature_group_count != 1:
             return "activations"
@@ -270,30 +324,29 @@ def _pick(spec: ConvSpec, needs: Needs) -> str:
     return choose(needs, spec.feature_group_count)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _conv(x, kernel, r, s, spec: ConvSpec):
-    return _forward(x, kernel, r, s, spec)[0]
+def _keeps_product(params: str, needs: Needs) -> bool:
+    # "kernels" forms ds from M_k and saves no activations.
+    return needs.s and params == "activations"
 
 
-def _conv_fwd(x, kernel, r, s, spec: ConvSpec):
-    needs = Needs.of(x, kernel, r, s)
-    x, kernel, r, s = x.value, kernel.value, r.value, s.value
-    params = _pick(spec, needs)
-    y, z = _forward(x, kernel, r, s, spec)
-    if params == "kernels" or not needs.s:
-        z = None
-    return y, save(params, needs, (x, kernel, r, s, z))
-
-
-def _conv_bwd(spec: ConvSpec, residuals, g):
-    formulations = {
+def _backward(x, kernel, r, s, z, g, spec: ConvSpec, params: str, needs: Needs):
+    gradients = {
         "kernels": _kernel_gradients,
         "activations": _activation_gradients,
-    }
-    return backward(residuals, g, formulations, spec)
+    }[params]
+    return gradients(x, kernel, r, s, z, g, spec, needs)
 
 
-_conv.defvjp(_conv_fwd, _conv_bwd, symbolic_zeros=True)
+_conv = define(
+    Rules(
+        name="batch_ensemble_conv",
+        plan=_plan,
+        keeps_product=_keeps_product,
+        forward=_forward,
+        tangent=_tangent,
+        backward=_backward,
+    )
+)
 
 
 def conv_by_member(x, kernel, r, s, spec: ConvSpec):

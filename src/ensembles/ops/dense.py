@@ -60,6 +60,11 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             f"{kernel.shape}."
         )
     in_features, out_features = kernel.shape
+    if not in_features or not out_features:
+        raise ValueError(
+            f"`kernel` must have at least one input and one output feature, got "
+            f"shape {kernel.shape}."
+        )
     if inputs.shape[-1] != in_features:
         raise ValueError(
             f"`inputs.shape[-1]` (={inputs.shape[-1]}) must equal in_features "

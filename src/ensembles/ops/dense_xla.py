@@ -30,30 +30,37 @@ so the gradients of the parameters can be formed in two ways:
   whose inputs need no gradient (a first layer) does exactly the matmuls of a
   plain dense layer, and ``dx`` (when it is needed) is ``((g * s) @ W^T) * r``.
 
-The rule is a ``jax.custom_vjp`` with symbolic zeros: its forward sees which
-of ``x``, ``W``, ``r``, ``s`` are differentiated, picks the formulation with
-:func:`choose` for exactly that case, and the backward runs it. The math of
-each formulation is written once, in :func:`_forward` and the two gradient
-functions. Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``,
-``jax.hessian``) of the ``"xla"`` path raises, as for any ``custom_vjp``: a
-``custom_jvp`` whose tangent transposes to the ``"kernels"`` backward was
-measured 1.5-5x slower in reverse mode on CPU (JAX's transposes materialise
-the member kernels' products), so reverse mode, what training runs, won. The
-per-member loop of ``tests/reference.py`` is the
-reference every formulation is tested against.
+The op is a primitive pair of :mod:`ensembles.ops.autodiff`: its forward-mode
+rule sees which of ``x``, ``W``, ``r``, ``s`` are differentiated, picks the
+formulation with :func:`choose` for exactly that case and emits a linear
+tangent whose transpose (reverse mode) runs the chosen backward. Forward mode
+(``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, ``jax.linearize``) evaluates
+that tangent: ``(((dx * r + x * dr) @ W + (x * r) @ dW) * s + z * ds``. Every
+matmul runs at the op's ``precision`` and ``preferred_element_type``; the
+reductions into ``dr`` and ``ds`` accumulate in at least float32 (float64
+stays float64). The math of each formulation is written once, in
+:func:`_forward`, :func:`_tangent` and the two gradient functions; the
+per-member loop of ``tests/reference.py`` is the reference every formulation
+is tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.vjp import PARAM_GRADIENTS, Needs, backward, save
+from ensembles.ops.autodiff import (
+    PARAM_GRADIENTS,
+    Needs,
+    Rules,
+    accumulation_dtype,
+    define,
+    static_precision,
+)
 
 __all__ = [
     "COST_MODELS",
@@ -333,13 +340,21 @@ class _Config:
     preferred_element_type: Any
     formulation: Formulation | None  # None: the cost model decides
 
-    def dot(self, lhs, rhs, dimension_numbers):
+    def dot(self, lhs, rhs, dimension_numbers, preferred_element_type=None):
+        """``lax.dot_general`` at the op's precision and accumulation dtype."""
         return lax.dot_general(
             lhs,
             rhs,
             dimension_numbers,
             precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
+            preferred_element_type=preferred_element_type
+            or self.preferred_element_type,
+        )
+
+    def sum_dtype(self, *operands):
+        """The dtype a reduction of ``operands`` into ``dr``/``ds`` runs in."""
+        return accumulation_dtype(
+            *operands, preferred_element_type=self.preferred_element_type
         )
 
 
@@ -359,32 +374,66 @@ def _member_kernels(kernel, r, s):
     return kernel[None] * (r[:, :, None] * s[:, None, :])
 
 
-def _forward(x3, kernel, r, s, config: _Config, forward: str):
-    """``(y, z)``: the output and, for ``"scale"``, the unscaled product ``z``."""
-    if forward == "fold":
-        return config.dot(x3, _member_kernels(kernel, r, s), _BATCHED), None
+def _output_dtype(x3, kernel, r, s, config: _Config):
+    """The output's dtype, the same for every formulation: ``z * s``'s."""
+    product = config.preferred_element_type or jnp.result_type(x3, r, kernel)
+    return jnp.result_type(product, s)
+
+
+def _product(x3, kernel, r, config: _Config):
+    """``z = (x * r) @ W``, the unscaled product, ``[E, B, out]``."""
     # Scale in the [E, B, in] view, multiply in the flat [E*B, in] view: XLA
     # fuses each scaling into one loop and keeps a single 2-D dot, measurably
-    # cheaper (forward and backward) than a 3-D einsum (shared/notes/pallas.md).
-    z = _matmul(x3 * r[:, None, :], kernel, config)
-    return z * s[:, None, :], z
+    # cheaper (forward and backward) than a 3-D einsum (docs/cost.md).
+    return _matmul(x3 * r[:, None, :], kernel, config)
+
+
+def _forward(x3, kernel, r, s, config: _Config, formulation: Formulation):
+    """``(y, z)``: the output and, for ``"scale"``, the unscaled product ``z``."""
+    dtype = _output_dtype(x3, kernel, r, s, config)
+    if formulation.forward == "fold":
+        y = config.dot(x3, _member_kernels(kernel, r, s), _BATCHED)
+        return y.astype(dtype), None
+    z = _product(x3, kernel, r, config)
+    return (z * s[:, None, :]).astype(dtype), z
+
+
+def _tangent(x3, kernel, r, s, z, tangents, config: _Config):
+    """``dy``, linear in the tangents of ``(x, kernel, r, s)`` (``None``: none).
+
+    ``dy = (((dx * r + x * dr) @ W + (x * r) @ dW) * s + z * ds``.
+    """
+    dx, dkernel, dr, ds = tangents
+    dscaled = None
+    if dx is not None:
+        dscaled = dx * r[:, None, :]
+    if dr is not None:
+        term = x3 * dr[:, None, :]
+        dscaled = term if dscaled is None else dscaled + term
+    dz = None if dscaled is None else _matmul(dscaled, kernel, config)
+    if dkernel is not None:
+        term = _matmul(x3 * r[:, None, :], dkernel, config)
+        dz = term if dz is None else dz + term
+    dy = None if dz is None else dz * s[:, None, :]
+    if ds is not None:
+        if z is None:
+            z = _product(x3, kernel, r, config)
+        term = z * ds[:, None, :]
+        dy = term if dy is None else dy + term
+    return dy.astype(_output_dtype(x3, kernel, r, s, config))
 
 
 def _input_gradient(g, kernel, s, config: _Config):
     """``u = (g * s) @ W^T``, ``[E, B, in]``: ``dx = u * r``, ``dr = sum_b u * x``."""
     num_members, _, out_features = g.shape
     scaled = (g * s[:, None, :]).reshape(-1, out_features)
-    u = lax.dot_general(
-        scaled, kernel, (((1,), (1,)), ((), ())), precision=config.precision
-    )
+    u = config.dot(scaled, kernel, (((1,), (1,)), ((), ())))
     return u.reshape(num_members, -1, kernel.shape[0])
 
 
-def _sum_rows(a, b):
+def _sum_rows(a, b, config: _Config):
     """``sum_b a * b`` per member and feature: ``[E, B, D]`` x2 -> ``[E, D]``."""
-    return lax.dot_general(
-        a, b, (((1,), (1,)), ((0, 2), (0, 2))), preferred_element_type=jnp.float32
-    )
+    return config.dot(a, b, (((1,), (1,)), ((0, 2), (0, 2))), config.sum_dtype(a, b))
 
 
 def _activation_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs):
@@ -395,17 +444,18 @@ def _activation_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs)
         if needs.inputs:
             dx = u * r[:, None, :]
         if needs.r:
-            dr = _sum_rows(u, x3)
+            dr = _sum_rows(u, x3, config)
     if needs.kernel:
         in_features, out_features = kernel.shape
-        dkernel = lax.dot_general(
+        dkernel = config.dot(
             (x3 * r[:, None, :]).reshape(-1, in_features),
             (g * s[:, None, :]).reshape(-1, out_features),
             (((0,), (0,)), ((), ())),
-            precision=config.precision,
         )
     if needs.s:
-        ds = _sum_rows(g, z)
+        if z is None:
+            z = _product(x3, kernel, r, config)
+        ds = _sum_rows(g, z, config)
     return dx, dkernel, dr, ds
 
 
@@ -416,9 +466,7 @@ def _kernel_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs):
         dx = _input_gradient(g, kernel, s, config) * r[:, None, :]
     if needs.params:
         # M_k = x_k^T g_k, [E, in, out]: one batched matmul, the FLOPs of dW.
-        m = lax.dot_general(
-            x3, g, (((1,), (1,)), ((0,), (0,))), precision=config.precision
-        )
+        m = config.dot(x3, g, (((1,), (1,)), ((0,), (0,))))
         if needs.kernel:
             # A sum over the leading axis of [E, in, out] is a slow strided
             # reduction on XLA's CPU backend; E slices added in one fused loop
@@ -430,16 +478,20 @@ def _kernel_gradients(x3, kernel, r, s, z, g, config: _Config, needs: Needs):
             # A reduction over the minor axis, which XLA fuses with the dW loop
             # above; over a middle axis (or as a batched matrix-vector product)
             # it runs 2-10x slower on XLA's CPU backend.
-            dr = jnp.sum(m * (kernel[None] * s[:, None, :]), axis=2, dtype=jnp.float32)
+            dr = jnp.sum(
+                m * (kernel[None] * s[:, None, :]),
+                axis=2,
+                dtype=config.sum_dtype(m, kernel, s),
+            )
         if needs.s:
-            if z is not None:  # the "scale" forward: ds from z, [E, B, out]
-                ds = _sum_rows(g, z)
+            if z is not None:  # the "scale" forward kept z, [E, B, out]
+                ds = _sum_rows(g, z, config)
             else:
-                ds = lax.dot_general(
+                ds = config.dot(
                     m * kernel[None],
                     r,
                     (((1,), (1,)), ((0,), (0,))),
-                    preferred_element_type=jnp.float32,
+                    config.sum_dtype(m, kernel, r),
                 )
     return dx, dkernel, dr, ds
 
@@ -448,7 +500,7 @@ def _can_fold(x3, kernel, r, s) -> bool:
     return len({jnp.dtype(a.dtype) for a in (x3, kernel, r, s)}) == 1
 
 
-def _pick(x3, kernel, r, s, config: _Config, needs: Needs) -> Formulation:
+def _plan(x3, kernel, r, s, config: _Config, needs: Needs) -> Formulation:
     num_members, rows, in_features = x3.shape
     can_fold = _can_fold(x3, kernel, r, s)
     if config.formulation is not None:
@@ -465,33 +517,29 @@ def _pick(x3, kernel, r, s, config: _Config, needs: Needs) -> Formulation:
     return formulation
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dense(x3, kernel, r, s, config: _Config):
-    formulation = _pick(x3, kernel, r, s, config, Needs())
-    return _forward(x3, kernel, r, s, config, formulation.forward)[0]
+def _keeps_product(formulation: Formulation, needs: Needs) -> bool:
+    # ds reads z where the "scale" forward computed it.
+    return needs.s and formulation.forward == "scale"
 
 
-def _dense_fwd(x3, kernel, r, s, config: _Config):
-    # symbolic_zeros=True: the primals arrive wrapped, saying whether each
-    # is differentiated. That is what lets a first layer skip dx's matmul.
-    needs = Needs.of(x3, kernel, r, s)
-    x3, kernel, r, s = x3.value, kernel.value, r.value, s.value
-    formulation = _pick(x3, kernel, r, s, config, needs)
-    y, z = _forward(x3, kernel, r, s, config, formulation.forward)
-    if not needs.s:
-        z = None
-    return y, save(formulation.params, needs, (x3, kernel, r, s, z))
-
-
-def _dense_bwd(config: _Config, residuals, g):
-    formulations = {
+def _backward(x3, kernel, r, s, z, g, config, formulation: Formulation, needs):
+    gradients = {
         "kernels": _kernel_gradients,
         "activations": _activation_gradients,
-    }
-    return backward(residuals, g, formulations, config)
+    }[formulation.params]
+    return gradients(x3, kernel, r, s, z, g, config, needs)
 
 
-_dense.defvjp(_dense_fwd, _dense_bwd, symbolic_zeros=True)
+_dense = define(
+    Rules(
+        name="batch_ensemble_dense",
+        plan=_plan,
+        keeps_product=_keeps_product,
+        forward=_forward,
+        tangent=_tangent,
+        backward=_backward,
+    )
+)
 
 
 def dense_by_member(
@@ -526,7 +574,7 @@ def dense_by_member(
     num_members, in_features = r.shape
     out_features = kernel.shape[1]
     x3 = inputs.reshape(num_members, -1, in_features)
-    config = _Config(precision, preferred_element_type, formulation)
+    config = _Config(static_precision(precision), preferred_element_type, formulation)
     y = _dense(x3, kernel, r, s, config)
     if bias is not None:
         y = y + bias[:, None, :]

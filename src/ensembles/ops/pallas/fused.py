@@ -341,6 +341,10 @@ def fused_dense(
     )
     num_members, in_features = r.shape
     out_features = kernel.shape[1]
+    if inputs.size == 0:
+        # No rows: no kernel to launch (a zero-size grid), every output (none)
+        # and every gradient (zero) known; the "xla" path agrees.
+        return jnp.zeros((*inputs.shape[:-1], out_features), config.out_dtype)
     x3 = inputs.reshape(num_members, -1, in_features)
     y3 = _fused(x3, kernel, r, s, bias, config)
     return y3.reshape(*inputs.shape[:-1], out_features)

@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 import ensembles
-from ensembles.layers import base
+from ensembles.layers import sharding as base
 from ensembles.ops import dense
 
 SCRIPT = textwrap.dedent(

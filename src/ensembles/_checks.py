@@ -51,7 +51,7 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_members(
+def check_member_shapes(
     leading: int,
     r: Any,
     s: Any,

@@ -24,8 +24,8 @@ from flax.nnx import graph as nnx_graph
 from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
-from ensembles.layers.base import (
-    EnsembleModule,
+from ensembles.layers.base import EnsembleModule
+from ensembles.layers.parameters import (
     check_rngs,
     default_fast_weight_init,
     drawing_from,

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from ensembles._checks import check_num_members
-from ensembles.layers.base import EnsembleModule, check_member
+from ensembles.layers.base import EnsembleModule, check_member_index
 from ensembles.members import tile, untile
 
 __all__ = ["Ensemble", "extract_member"]
@@ -99,7 +99,7 @@ class Ensemble(nnx.Module):
             returns its ``[B, ...]`` outputs. ``None`` leaves it unchanged.
         """
         if member is not None:
-            self.member = check_member(member, self.num_members)
+            self.member = check_member_index(member, self.num_members)
 
     def extract_member(self, member: int) -> Any:
         """Returns member ``member`` of the wrapped model as a plain Flax model.

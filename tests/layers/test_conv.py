@@ -16,7 +16,7 @@ from jax import lax
 
 import ensembles
 from ensembles import BatchEnsembleConv, BatchEnsembleConvTranspose, initializers
-from ensembles.layers.base import without_member_axis_metadata
+from ensembles.layers.sharding import without_member_axis_metadata
 from tests.reference import (
     assert_same,
     conv_effective_kernel,

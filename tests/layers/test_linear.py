@@ -7,7 +7,7 @@ from flax import nnx
 
 import ensembles
 from ensembles import BatchEnsembleLinear, FastWeight, initializers
-from ensembles.layers.base import member_axis_metadata
+from ensembles.layers.sharding import member_axis_metadata
 from tests.reference import dense_reference
 from tests.tolerances import assert_close
 
@@ -515,10 +515,10 @@ def test_out_sharding_places_outputs_like_flax(make):
     np.testing.assert_array_equal(y, expected)
 
 
-def test_extract_member_of_a_module_without_flax_module_says_what_to_set():
+def test_extract_member_of_a_module_without_it_says_what_to_define():
     class Custom(ensembles.layers.EnsembleModule):
         def __init__(self):
             self.num_members, self.member = 2, None
 
-    with pytest.raises(NotImplementedError, match=r"names no `flax_module`"):
+    with pytest.raises(NotImplementedError, match=r"does not implement `extract_member`"):
         Custom().extract_member(0)

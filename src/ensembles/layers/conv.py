@@ -14,7 +14,7 @@ from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteD
 from jax import lax
 
 from ensembles._checks import check_positive_int
-from ensembles.layers.base import (
+from ensembles.layers._legacy import (
     WEIGHT_OPTIONS,
     BatchEnsembleModule,
     default_bias_init,
@@ -22,7 +22,7 @@ from ensembles.layers.base import (
     default_kernel_init,
     shard_output,
 )
-from ensembles.ops import conv
+from ensembles.ops import conv, conv_transpose, plan
 
 __all__ = ["BatchEnsembleConv", "BatchEnsembleConvTranspose"]
 
@@ -50,7 +50,7 @@ def _check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
 class _ConvBase(BatchEnsembleModule):
     """What the convolution layers share: the mask and the effective kernel."""
 
-    _impls = conv.IMPLS
+    _impls = plan.CONV_IMPLS
     #: The options that say how ``r`` and ``s`` map onto the kernel's axes.
     _kernel_layout: ClassVar[tuple[str, ...]]
 
@@ -550,7 +550,7 @@ class BatchEnsembleConvTranspose(_ConvBase):
           outputs.
         """
         return self._apply(
-            conv.batch_ensemble_conv_transpose,
+            conv_transpose.batch_ensemble_conv_transpose,
             inputs,
             strides=self.strides,
             padding=self.padding,

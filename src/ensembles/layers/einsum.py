@@ -13,7 +13,7 @@ from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
 from ensembles._checks import check_positive_int
-from ensembles.layers.base import (
+from ensembles.layers._legacy import (
     WEIGHT_OPTIONS,
     BatchEnsembleModule,
     default_bias_init,
@@ -21,7 +21,7 @@ from ensembles.layers.base import (
     default_kernel_init,
     shard_output,
 )
-from ensembles.ops import dense, einsum
+from ensembles.ops import einsum, plan
 
 __all__ = ["BatchEnsembleEinsum"]
 
@@ -110,7 +110,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
     # nnx.Einsum keeps no kernel_init, and its default (LeCun normal) refuses a
     # 1-D kernel even abstractly; the kernel is replaced at once anyway.
     _plain_arguments = MappingProxyType({"kernel_init": initializers.zeros_init()})
-    _impls = dense.IMPLS
+    _impls = plan.IMPLS
 
     def __init__(
         self,

@@ -13,16 +13,26 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_positive_int
+from ensembles._checks import check_num_members, check_positive_int
 from ensembles.layers.base import (
-    WEIGHT_OPTIONS,
     BatchEnsembleModule,
+    check_flax_layer,
+    check_member_index,
+    plain_layer,
+)
+from ensembles.layers.parameters import (
+    copy_of,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    shard_output,
+    drawing_from,
+    member_copies,
+    member_slice,
+    new_param,
 )
-from ensembles.ops import dense
+from ensembles.layers.sharding import shard_output
+from ensembles.ops import dense, plan
+from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinear"]
 
@@ -85,12 +95,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    flax_module = nnx.Linear
-    _flax_options = ("in_features", "out_features", "use_bias", *WEIGHT_OPTIONS)
-    _flax_functions = MappingProxyType(
-        {"dot_general": (lax.dot_general, "jax.lax.dot_general")}
-    )
-    _impls = dense.IMPLS
+    _impls = plan.IMPLS
 
     def __init__(
         self,
@@ -116,13 +121,59 @@ class BatchEnsembleLinear(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        self._init_weights(
-            locals(),
-            kernel_shape=(in_features, out_features),
-            r_shape=(in_features,),
-            s_shape=(out_features,),
-            bias_shape=(out_features,) if use_bias else None,
-        )
+        impl = plan.check_impl(impl)
+        num_members = check_num_members(num_members)
+        with drawing_from(rngs) as draw:
+            self.kernel = new_param(
+                nnx.Param,
+                kernel_init,
+                draw,
+                (in_features, out_features),
+                param_dtype,
+                kernel_metadata,
+                "kernel_init",
+            )
+            self.r = new_param(
+                FastWeight,
+                r_init,
+                draw,
+                (num_members, in_features),
+                param_dtype,
+                fast_weight_metadata,
+                "r_init",
+            )
+            self.s = new_param(
+                FastWeight,
+                s_init,
+                draw,
+                (num_members, out_features),
+                param_dtype,
+                fast_weight_metadata,
+                "s_init",
+            )
+            if use_bias:
+                self.bias = new_param(
+                    nnx.Param,
+                    bias_init,
+                    draw,
+                    (num_members, out_features),
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.num_members = num_members
+        self.member = None
+        self.impl = impl
 
     @classmethod
     def from_linear(
@@ -174,9 +225,38 @@ class BatchEnsembleLinear(BatchEnsembleModule):
           ValueError: if ``linear`` uses a custom ``dot_general``, which the
             BatchEnsemble op cannot honour.
         """
-        return cls._convert(
-            linear, "linear", num_members, rngs, r_init, s_init, share_kernel, impl
+        check_flax_layer(
+            linear,
+            nnx.Linear,
+            "linear",
+            cls.__name__,
+            dot_general=(lax.dot_general, "jax.lax.dot_general"),
         )
+        bias_init, bias_metadata = member_copies(linear.bias)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            num_members=num_members,
+            use_bias=linear.bias is not None,
+            dtype=linear.dtype,
+            # The dtype the parameters are held in (a model cast after it was
+            # built keeps a stale `param_dtype`).
+            param_dtype=linear.kernel.dtype,
+            precision=linear.precision,
+            kernel_init=copy_of(linear.kernel),
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            promote_dtype=linear.promote_dtype,
+            preferred_element_type=linear.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=linear.kernel.get_metadata(),
+            bias_metadata=bias_metadata,
+        )
+        if share_kernel:
+            layer.kernel = linear.kernel
+        return layer
 
     def extract_member(self, member: int) -> nnx.Linear:
         """Returns member ``member`` as a plain ``nnx.Linear``.
@@ -204,9 +284,25 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Returns:
           A new ``nnx.Linear``; this layer is not changed.
         """
-        return super().extract_member(member)
+        k = check_member_index(member, self.num_members)
+        return plain_layer(
+            lambda rngs: nnx.Linear(
+                self.in_features,
+                self.out_features,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=rngs,
+            ),
+            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            bias=member_slice(self.bias, k),
+        )
 
-    def _member_kernel(self, member: int) -> jax.Array:
+    def _effective_kernel(self, member: int) -> jax.Array:
+        """Member ``member``'s kernel ``kernel * outer(r[member], s[member])``."""
         outer = jnp.outer(self.r[member], self.s[member])
         return self.kernel[...] * outer.astype(self.kernel.dtype)
 
@@ -224,5 +320,22 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Returns:
           The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
         """
-        outputs = self._apply(dense.batch_ensemble_dense, inputs)
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._member_operands(
+            self.r[...], self.s[...], bias
+        )
+        inputs, kernel, r, s, bias = self.promote_dtype(
+            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        )
+        outputs = dense.batch_ensemble_dense(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
+        )
         return shard_output(outputs, out_sharding)

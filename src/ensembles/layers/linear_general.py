@@ -17,7 +17,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
 from ensembles._checks import check_positive_int
-from ensembles.layers.base import (
+from ensembles.layers._legacy import (
     WEIGHT_OPTIONS,
     BatchEnsembleModule,
     default_bias_init,
@@ -25,7 +25,7 @@ from ensembles.layers.base import (
     default_kernel_init,
     shard_output,
 )
-from ensembles.ops import dense, dense_general
+from ensembles.ops import dense_general, plan
 
 __all__ = ["BatchEnsembleLinearGeneral"]
 
@@ -176,7 +176,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             "dot_general_cls": (None, "jax.lax.dot_general"),
         }
     )
-    _impls = dense.IMPLS
+    _impls = plan.IMPLS
 
     def __init__(
         self,

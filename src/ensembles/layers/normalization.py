@@ -23,7 +23,7 @@ from flax.nnx.nn import dtypes, initializers
 from flax.typing import Axes, Dtype, Initializer, PromoteDtypeFn
 
 from ensembles._checks import check_positive_int
-from ensembles.layers.base import EnsembleModule, ParamSpec, member_slice
+from ensembles.layers._legacy import EnsembleModule, ParamSpec, member_slice
 from ensembles.ops import normalization
 
 __all__ = ["EnsembleBatchNorm", "EnsembleLayerNorm", "EnsembleRMSNorm"]

@@ -1,4 +1,4 @@
-"""The BatchEnsemble convolution ops: validation, dispatch, jnp formulation.
+"""The BatchEnsemble convolution op, and what both convolution ops share.
 
 Member ``k`` of :func:`batch_ensemble_conv` maps its rows ``[k*B, (k+1)*B)`` of a
 member-major, channels-last batch as a convolution with kernel
@@ -9,9 +9,9 @@ per-member kernels::
     y = conv(x * r[k], kernel) * s[k] + bias[k]
 
 with one ``lax.conv_general_dilated`` shared by all members over the flat
-``[E*B, ...]`` batch. Padding that copies input values (``CIRCULAR``, ``REFLECT``)
-commutes with the per-channel scaling by ``r``, and so do the wrap-around sums of
-a circular transposed convolution with the per-channel scaling by ``s``.
+``[E*B, ...]`` batch (:mod:`ensembles.ops.conv_xla` runs and differentiates
+it). Padding that copies input values (``CIRCULAR``, ``REFLECT``) commutes
+with the per-channel scaling by ``r``.
 
 With ``feature_group_count = G`` the kernel is ``[*kernel_size, in/G, out]`` and
 output channel ``o`` reads input channels of group ``o // (out/G)`` only, so the
@@ -22,7 +22,8 @@ The padding conventions are Flax's own (``canonicalize_padding``, a pure
 function of its arguments; no module is involved), so every padding form means
 exactly what it means for ``nnx.Conv`` / ``nnx.ConvTranspose``; the layout is
 channels-last, ``[N, *spatial, C]`` inputs and ``[*kernel_size, in, out]``
-kernels, as Flax's.
+kernels, as Flax's. The shape and padding checks and the batch reshapes here
+serve :mod:`ensembles.ops.conv_transpose` too.
 """
 
 from __future__ import annotations
@@ -36,62 +37,26 @@ from flax.nnx.nn.linear import canonicalize_padding
 from jax import lax
 
 from ensembles._checks import (
-    check_choice,
-    check_members,
+    check_member_shapes,
     check_num_members,
     check_positive_int,
 )
 from ensembles.ops.autodiff import static_precision
-from ensembles.ops.conv_xla import (
-    ConvSpec,
-    conv_by_member,
-)
+from ensembles.ops.conv_xla import ConvConfig, conv_by_member
+from ensembles.ops.plan import CONV_IMPLS, check_impl
 
 __all__ = [
-    "IMPLS",
     "batch_ensemble_conv",
-    "batch_ensemble_conv_transpose",
-    "check_impl",
     "check_padding",
+    "check_shapes",
     "effective_kernel",
-    "resolve_impl",
+    "flatten_batch",
+    "from_members",
+    "spatial_tuple",
 ]
-
-#: The implementations the convolution ops accept as ``impl``.
-IMPLS: tuple[str, ...] = ("auto", "xla")
 
 IntOrSequence = int | Sequence[int] | None
 PaddingLike = str | int | Sequence[int | tuple[int, int]]
-
-
-def check_impl(impl: str) -> str:
-    """Returns ``impl`` if the convolution ops accept it (one of :data:`IMPLS`).
-
-    Raises a ``ValueError`` naming ``impl`` otherwise.
-
-    >>> check_impl("xla")
-    'xla'
-    """
-    return check_choice(impl, "impl", IMPLS)
-
-
-def resolve_impl(impl: str) -> str:
-    """Resolves ``"auto"`` to the concrete implementation used on this backend.
-
-    ``"auto"`` is ``"xla"`` everywhere: XLA's convolution already takes the
-    scalings as cheap fused elementwise loops (see ``benchmarks/bench_conv.py``).
-
-    Args:
-      impl: one of :data:`IMPLS`.
-
-    Returns:
-      The concrete implementation name.
-
-    >>> resolve_impl("auto")
-    'xla'
-    """
-    check_impl(impl)
-    return "xla" if impl == "auto" else impl
 
 
 def effective_kernel(
@@ -140,7 +105,7 @@ def effective_kernel(
     return kernel * scale
 
 
-def _tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]:
+def spatial_tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]:
     """Broadcasts ``value`` to ``rank`` positive ints, as Flax's layers do."""
     if value is None:  # Flax's sentinel for 1.
         value = 1
@@ -243,7 +208,7 @@ def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:
     return tuple(tuple(pair) for pair in canonical)
 
 
-def _check_shapes(
+def check_shapes(
     inputs, kernel, r, s, bias, num_members, in_features, out_features, source
 ) -> int:
     """Checks the conv op's array shapes; returns the number of spatial dims."""
@@ -271,25 +236,18 @@ def _check_shapes(
             f"(={in_features}: {source}, `kernel.shape`={kernel.shape}); got "
             f"inputs of shape {inputs.shape}."
         )
-    check_members(inputs.shape[0], r, s, bias, num_members, in_features, out_features)
+    check_member_shapes(
+        inputs.shape[0], r, s, bias, num_members, in_features, out_features
+    )
     return rank
 
 
-def _flatten_batch(inputs, rank):
+def flatten_batch(inputs, rank):
     """``[E*B, ..., *spatial, C]`` -> ``[E*B*..., *spatial, C]``."""
     return inputs.reshape(-1, *inputs.shape[-rank - 1 :])
 
 
-def _to_members(inputs, r, rank):
-    """Flattens batch axes to one and scales input channels by ``r``."""
-    num_members, in_features = r.shape
-    x = _flatten_batch(inputs, rank)
-    x = x.reshape(num_members, -1, *x.shape[1:])
-    x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
-    return x.reshape(-1, *x.shape[2:])
-
-
-def _from_members(y, s, bias, batch_shape):
+def from_members(y, s, bias, batch_shape):
     """Scales by ``s``, adds ``bias`` (each if given), restores the batch axes."""
     present = [w for w in (s, bias) if w is not None]
     if not present:
@@ -322,7 +280,7 @@ def _conv_xla(
     rank = kernel.ndim - 2
     batch_shape = inputs.shape[: -rank - 1]
     # conv_by_member scales by r and s (its backward needs them unapplied).
-    x = _flatten_batch(inputs, rank)
+    x = flatten_batch(inputs, rank)
     if padding in ("CIRCULAR", "REFLECT"):
         # As nnx.Conv: pad by the dilated kernel's half-widths, then VALID.
         dilated = [
@@ -337,7 +295,7 @@ def _conv_xla(
         left = kernel_dilation[0] * (kernel.shape[0] - 1)
         x = jnp.pad(x, [(0, 0), (left, 0), (0, 0)])
         padding = "VALID"
-    spec = ConvSpec(
+    spec = ConvConfig(
         strides,
         padding,
         input_dilation,
@@ -347,7 +305,7 @@ def _conv_xla(
         preferred_element_type,
     )
     y = conv_by_member(x, kernel, r, s, spec)
-    return _from_members(y, None, bias, batch_shape)
+    return from_members(y, None, bias, batch_shape)
 
 
 def batch_ensemble_conv(
@@ -419,7 +377,7 @@ def batch_ensemble_conv(
       TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)
-    impl = resolve_impl(impl)
+    check_impl(impl, CONV_IMPLS)  # "xla" is the one implementation
     groups = check_positive_int(feature_group_count, "feature_group_count")
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
@@ -427,7 +385,7 @@ def batch_ensemble_conv(
         in_features, out_features = kernel.shape[-2] * groups, kernel.shape[-1]
     else:
         in_features = out_features = -1
-    rank = _check_shapes(
+    rank = check_shapes(
         inputs,
         kernel,
         r,
@@ -444,173 +402,17 @@ def batch_ensemble_conv(
             f"(={out_features}, `kernel.shape[-1]`)."
         )
     padding = check_padding(padding, rank)
-    return _IMPLEMENTATIONS[impl](
+    return _conv_xla(
         inputs,
         kernel,
         r,
         s,
         bias,
-        strides=_tuple(strides, "strides", rank),
+        strides=spatial_tuple(strides, "strides", rank),
         padding=padding,
-        input_dilation=_tuple(input_dilation, "input_dilation", rank),
-        kernel_dilation=_tuple(kernel_dilation, "kernel_dilation", rank),
+        input_dilation=spatial_tuple(input_dilation, "input_dilation", rank),
+        kernel_dilation=spatial_tuple(kernel_dilation, "kernel_dilation", rank),
         feature_group_count=groups,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
-
-
-def _conv_transpose_xla(
-    inputs,
-    kernel,
-    r,
-    s,
-    bias,
-    *,
-    strides,
-    padding,
-    kernel_dilation,
-    transpose_kernel,
-    precision,
-    preferred_element_type,
-):
-    rank = kernel.ndim - 2
-    batch_shape = inputs.shape[: -rank - 1]
-    x = _to_members(inputs, r, rank)
-    y = lax.conv_transpose(
-        x,
-        kernel,
-        strides,
-        "VALID" if padding == "CIRCULAR" else padding,
-        rhs_dilation=kernel_dilation,
-        transpose_kernel=transpose_kernel,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
-    if padding == "CIRCULAR":
-        # nnx.ConvTranspose's circular padding: pad each spatial axis to whole
-        # periods (input size times stride) and sum the periods.
-        periods = [n * stride for n, stride in zip(x.shape[1:-1], strides, strict=True)]
-        size_diffs = [
-            -(m - p) % (2 * p) for m, p in zip(y.shape[1:-1], periods, strict=True)
-        ]
-        if transpose_kernel:
-            pads = [(d // 2, (d + 1) // 2) for d in size_diffs]
-        else:
-            pads = [((d + 1) // 2, d // 2) for d in size_diffs]
-        y = jnp.pad(y, [(0, 0), *pads, (0, 0)])
-        for axis, period in enumerate(periods, start=1):
-            y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
-            y = y.sum(axis=axis)
-    return _from_members(y, s, bias, batch_shape)
-
-
-_IMPLEMENTATIONS = {"xla": _conv_xla}
-_TRANSPOSE_IMPLEMENTATIONS = {"xla": _conv_transpose_xla}
-
-
-def batch_ensemble_conv_transpose(
-    inputs: jax.Array,
-    kernel: jax.Array,
-    r: jax.Array,
-    s: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    num_members: int,
-    strides: IntOrSequence = None,
-    padding: PaddingLike = "SAME",
-    kernel_dilation: IntOrSequence = None,
-    transpose_kernel: bool = False,
-    precision: lax.PrecisionLike = None,
-    preferred_element_type: jnp.dtype | None = None,
-    impl: str = "auto",
-) -> jax.Array:
-    """Applies a BatchEnsemble transposed convolution to a member-major batch.
-
-    Rows ``[k*B, (k+1)*B)`` of ``inputs`` belong to member ``k``, which maps
-    them as ``nnx.ConvTranspose`` with kernel ``effective_kernel(kernel, r[k],
-    s[k], transpose_kernel=transpose_kernel)`` and bias ``bias[k]`` would: one
-    shared ``lax.conv_transpose`` between the scalings by ``r`` and ``s``.
-    Every argument after ``num_members`` means what it means for
-    ``nnx.ConvTranspose``.
-
-    >>> import jax.numpy as jnp
-    >>> from ensembles.ops import batch_ensemble_conv_transpose
-    >>> x = jnp.ones((2 * 3, 4, 4))                  # E=2, B=3, length 4, 4 channels
-    >>> kernel = jnp.ones((3, 4, 5))                 # kernel 3, in=4, out=5
-    >>> r = jnp.ones((2, 4))
-    >>> s = jnp.stack([jnp.ones(5), -jnp.ones(5)])   # [E, out]
-    >>> y = batch_ensemble_conv_transpose(x, kernel, r, s, num_members=2,
-    ...                                   strides=2)
-    >>> y.shape
-    (6, 8, 5)
-    >>> y[:, 2, 0]
-    Array([ 8.,  8.,  8., -8., -8., -8.], dtype=float32)
-
-    Args:
-      inputs: ``[E*B, ..., *spatial, in_features]`` member-major batch; extra
-        batch axes after the first are flattened, as ``nnx.ConvTranspose`` does.
-      kernel: the shared ``[*kernel_size, in_features, out_features]`` kernel
-        (``[*kernel_size, out_features, in_features]`` with
-        ``transpose_kernel=True``).
-      r: ``[E, in_features]`` input fast weights.
-      s: ``[E, out_features]`` output fast weights.
-      bias: ``[E, out_features]`` per-member bias, or ``None``.
-      num_members: the ensemble size E.
-      strides: an int or one int per spatial dimension (``None``: 1).
-      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
-        ``'CIRCULAR'``, an int, or one int or ``(low, high)`` pair per spatial
-        dimension. ``'CAUSAL'`` and ``'REFLECT'`` are rejected:
-        ``nnx.ConvTranspose`` does not implement them either.
-      kernel_dilation: an int or one int per spatial dimension (``None``: 1).
-      transpose_kernel: if True, flip the spatial axes and swap the channel
-        axes of the kernel, as ``jax.lax.conv_transpose`` does.
-      precision: convolution precision, as for ``jax.lax.conv_transpose``.
-      preferred_element_type: accumulation/output dtype of the convolution.
-      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (``"xla"``).
-
-    Returns:
-      The ``[E*B, ..., *out_spatial, out_features]`` outputs.
-
-    Raises:
-      ValueError: if a shape, ``num_members``, an option or ``impl`` is
-        invalid; the message names the argument and the fix.
-      TypeError: if ``num_members`` or an option has the wrong type.
-    """
-    num_members = check_num_members(num_members)
-    impl = resolve_impl(impl)
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
-    if kernel.ndim >= 2:
-        in_features, out_features = kernel.shape[-2:]
-        if transpose_kernel:
-            in_features, out_features = out_features, in_features
-    else:
-        in_features = out_features = -1
-    rank = _check_shapes(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        num_members,
-        in_features,
-        out_features,
-        "`kernel.shape[-1]` with `transpose_kernel=True`"
-        if transpose_kernel
-        else "`kernel.shape[-2]`",
-    )
-    padding = check_padding(padding, rank, transpose=True)
-    return _TRANSPOSE_IMPLEMENTATIONS[impl](
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        strides=_tuple(strides, "strides", rank),
-        padding=padding,
-        kernel_dilation=_tuple(kernel_dilation, "kernel_dilation", rank),
-        transpose_kernel=bool(transpose_kernel),
         precision=precision,
         preferred_element_type=preferred_element_type,
     )

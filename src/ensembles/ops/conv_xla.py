@@ -29,9 +29,10 @@ Two backward formulations:
 Only convolutions with ``feature_group_count == 1`` use ``"kernels"`` (a
 grouped kernel's input-channel axis holds ``in/G`` channels, so ``dr`` would
 need a regrouping that is not written). Which formulation runs is a measured
-table per backend (:data:`KERNELS_MEASURED`), not a cost model: the CPU numbers
-do not follow FLOPs (E kernel-gradient convolutions of ``B`` rows run faster on
-XLA's CPU backend than one of ``E*B`` rows), so only measurement can say.
+table per backend (:data:`ensembles.ops.cost.KERNELS_MEASURED`, read by
+:func:`ensembles.ops.plan.choose_conv_backward`), not a cost model: the CPU
+numbers do not follow FLOPs (E kernel-gradient convolutions of ``B`` rows run
+faster on XLA's CPU backend than one of ``E*B`` rows).
 """
 
 from __future__ import annotations
@@ -50,66 +51,19 @@ from ensembles.ops.autodiff import (
     accumulation_dtype,
     define,
 )
+from ensembles.ops.plan import choose_conv_backward
 
-__all__ = [
-    "KERNELS_MEASURED",
-    "ConvSpec",
-    "channels_last_dimension_numbers",
-    "choose",
-    "conv_by_member",
-]
-
-
-#: Whether ``"kernels"`` is measured faster than ``"activations"``, per backend
-#: and per case (a first layer: parameters only; a hidden layer: inputs too).
-#:
-#: ``cpu``: ``benchmarks/bench_conv.py`` on the 2-core CI machine (jax 0.10.2,
-#: float32, 2026-11-23), ratio of the BatchEnsembleConv gradient to an
-#: ``nnx.Conv`` gradient on the same rows, 3x3 kernels, 0.62-0.80 with
-#: "kernels" against 1.00-1.19 with "activations" (``docs/cost.md``).
-#: ``gpu``/``tpu``: never measured ("activations", plain differentiation, which
-#: the H100 run measured at 1.38-1.47x one model in a train step).
-KERNELS_MEASURED: dict[str, dict[str, bool]] = {
-    "cpu": {"first": True, "hidden": True},
-    "gpu": {"first": False, "hidden": False},
-    "tpu": {"first": False, "hidden": False},
-}
-
-
-def choose(needs: Needs, feature_group_count: int, backend: str | None = None) -> str:
-    """``"activations"`` or ``"kernels"``: the measured-faster backward.
-
-    >>> choose(Needs(kernel=True, r=True, s=True), 1, backend="cpu")
-    'kernels'
-    >>> choose(Needs(kernel=True, r=True, s=True), 2, backend="cpu")  # grouped
-    'activations'
-
-    Args:
-      needs: which operands are differentiated.
-      feature_group_count: the convolution's G; only G = 1 can use
-        ``"kernels"``.
-      backend: a key of :data:`KERNELS_MEASURED`; default
-        ``jax.default_backend()`` (an unknown backend gets ``"activations"``).
-
-    Returns:
-      The name of the formulation.
-    """
-    if not needs.params or feature_group_count != 1:
-        return "activations"
-    backend = backend or jax.default_backend()
-    case = "hidden" if needs.inputs else "first"
-    measured = KERNELS_MEASURED.get(backend, {})
-    return "kernels" if measured.get(case, False) else "activations"
+__all__ = ["ConvConfig", "channels_last_dimension_numbers", "conv_by_member"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ConvSpec:
+class ConvConfig:
     """The static options of the shared convolution (hashable).
 
     ``padding`` is what ``lax.conv_general_dilated`` takes: the op has already
     applied the padding modes that copy values (circular, reflect, causal).
     ``params`` forces a backward formulation (tests, benchmarks); ``None``
-    lets :func:`choose` decide.
+    lets :func:`~ensembles.ops.plan.choose_conv_backward` decide.
     """
 
     strides: tuple[int, ...]
@@ -167,25 +121,25 @@ def _members(a, num_members: int):
     return a.reshape(num_members, -1, *a.shape[1:])
 
 
-def _output_dtype(x, kernel, r, s, spec: ConvSpec):
+def _output_dtype(x, kernel, r, s, config: ConvConfig):
     """The output's dtype: ``z * s``'s."""
-    product = spec.preferred_element_type or jnp.result_type(x, r, kernel)
+    product = config.preferred_element_type or jnp.result_type(x, r, kernel)
     return jnp.result_type(product, s)
 
 
-def _product(x, kernel, r, spec: ConvSpec):
+def _product(x, kernel, r, config: ConvConfig):
     """``z = conv(x * r, W)``, the unscaled convolution, ``[E, N, ..., out]``."""
-    return _members(spec.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
+    return _members(config.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
 
 
-def _forward(x, kernel, r, s, spec: ConvSpec, params: str):
+def _forward(x, kernel, r, s, config: ConvConfig, params: str):
     """``(y, z)``: the output and the unscaled convolution ``z``."""
     del params  # one forward formulation
-    z = _product(x, kernel, r, spec)
-    return (z * _per_channel(s, z)).astype(_output_dtype(x, kernel, r, s, spec)), z
+    z = _product(x, kernel, r, config)
+    return (z * _per_channel(s, z)).astype(_output_dtype(x, kernel, r, s, config)), z
 
 
-def _tangent(x, kernel, r, s, z, tangents, spec: ConvSpec):
+def _tangent(x, kernel, r, s, z, tangents, config: ConvConfig):
     """``dy``, linear in the tangents of ``(x, kernel, r, s)`` (``None``: none).
 
     ``dy = (conv(dx * r + x * dr, W) + conv(x * r, dW)) * s + z * ds``.
@@ -201,84 +155,87 @@ def _tangent(x, kernel, r, s, z, tangents, spec: ConvSpec):
     dz = (
         None
         if dscaled is None
-        else _members(spec.conv(_flat(dscaled), kernel), num_members)
+        else _members(config.conv(_flat(dscaled), kernel), num_members)
     )
     if dkernel is not None:
-        term = _members(spec.conv(_flat(x * _per_channel(r, x)), dkernel), num_members)
+        term = _members(
+            config.conv(_flat(x * _per_channel(r, x)), dkernel), num_members
+        )
         dz = term if dz is None else dz + term
     dy = None if dz is None else dz * _per_channel(s, dz)
     if ds is not None:
         if z is None:
-            z = _product(x, kernel, r, spec)
+            z = _product(x, kernel, r, config)
         term = z * _per_channel(ds, z)
         dy = term if dy is None else dy + term
-    return dy.astype(_output_dtype(x, kernel, r, s, spec))
+    return dy.astype(_output_dtype(x, kernel, r, s, config))
 
 
-def _input_gradient(scaled_x_like, kernel, gs, spec: ConvSpec):
+def _input_gradient(scaled_x_like, kernel, gs, config: ConvConfig):
     """``u``: the input cotangent of ``conv(., kernel)`` at output cotangent ``gs``."""
     flat = _flat(scaled_x_like)
     transpose = jax.linear_transpose(
-        lambda a: spec.conv(a, kernel), jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+        lambda a: config.conv(a, kernel), jax.ShapeDtypeStruct(flat.shape, flat.dtype)
     )
-    (u,) = transpose(_flat(gs).astype(_out_dtype(flat, kernel, spec)))
+    (u,) = transpose(_flat(gs).astype(_out_dtype(flat, kernel, config)))
     return _members(u, scaled_x_like.shape[0])
 
 
-def _kernel_gradient(x_flat, kernel, g_flat, spec: ConvSpec):
+def _kernel_gradient(x_flat, kernel, g_flat, config: ConvConfig):
     """The kernel cotangent of ``conv(x_flat, .)`` at output cotangent ``g_flat``."""
     transpose = jax.linear_transpose(
-        lambda k: spec.conv(x_flat, k), jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)
+        lambda k: config.conv(x_flat, k),
+        jax.ShapeDtypeStruct(kernel.shape, kernel.dtype),
     )
-    (m,) = transpose(g_flat.astype(_out_dtype(x_flat, kernel, spec)))
+    (m,) = transpose(g_flat.astype(_out_dtype(x_flat, kernel, config)))
     return m
 
 
-def _out_dtype(x, kernel, spec: ConvSpec):
+def _out_dtype(x, kernel, config: ConvConfig):
     return jax.eval_shape(
-        spec.conv,
+        config.conv,
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct(kernel.shape, kernel.dtype),
     ).dtype
 
 
-def _sum_to_channels(a, spec: ConvSpec):
+def _sum_to_channels(a, config: ConvConfig):
     """``[E, ..., C]`` -> ``[E, C]``, accumulated in at least float32."""
-    dtype = accumulation_dtype(a, preferred_element_type=spec.preferred_element_type)
+    dtype = accumulation_dtype(a, preferred_element_type=config.preferred_element_type)
     return jnp.sum(a, axis=tuple(range(1, a.ndim - 1)), dtype=dtype)
 
 
-def _activation_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
+def _activation_gradients(x, kernel, r, s, z, g, config: ConvConfig, needs: Needs):
     dx = dkernel = dr = ds = None
     scaled = x * _per_channel(r, x)
     gs = g * _per_channel(s, g)
     if needs.inputs or needs.r:
-        u = _input_gradient(scaled, kernel, gs, spec)
+        u = _input_gradient(scaled, kernel, gs, config)
         if needs.inputs:
             dx = u * _per_channel(r, u)
         if needs.r:
-            dr = _sum_to_channels(u * x, spec)
+            dr = _sum_to_channels(u * x, config)
     if needs.kernel:
-        dkernel = _kernel_gradient(_flat(scaled), kernel, _flat(gs), spec)
+        dkernel = _kernel_gradient(_flat(scaled), kernel, _flat(gs), config)
     if needs.s:
         if z is None:
-            z = _product(x, kernel, r, spec)
-        ds = _sum_to_channels(g * z, spec)
+            z = _product(x, kernel, r, config)
+        ds = _sum_to_channels(g * z, config)
     return dx, dkernel, dr, ds
 
 
-def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
+def _kernel_gradients(x, kernel, r, s, z, g, config: ConvConfig, needs: Needs):
     del z  # ds comes from M_k: no activations are saved
     dx = dkernel = dr = ds = None
     if needs.inputs:
         scaled = x * _per_channel(r, x)
-        u = _input_gradient(scaled, kernel, g * _per_channel(s, g), spec)
+        u = _input_gradient(scaled, kernel, g * _per_channel(s, g), config)
         dx = u * _per_channel(r, u)
     # M_k, one kernel-gradient convolution per member on its own B rows (the
     # conv's input in the dtype the forward promoted it to).
     dtype = jnp.result_type(x, r)
     m = [
-        _kernel_gradient(x[k].astype(dtype), kernel, g[k], spec)
+        _kernel_gradient(x[k].astype(dtype), kernel, g[k], config)
         for k in range(r.shape[0])
     ]
     # [in] and [out] as kernel-shaped [1, ..., in, 1] and [1, ..., 1, out].
@@ -299,7 +256,7 @@ def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
         """``[E, C]``: ``sum(M_k * W * weights_of(k))`` over all axes but one."""
         axes = tuple(a for a in range(kernel.ndim) if a != keep_axis)
         sum_dtype = accumulation_dtype(
-            m[0], kernel, r, s, preferred_element_type=spec.preferred_element_type
+            m[0], kernel, r, s, preferred_element_type=config.preferred_element_type
         )
         return jnp.stack(
             [
@@ -315,13 +272,13 @@ def _kernel_gradients(x, kernel, r, s, z, g, spec: ConvSpec, needs: Needs):
     return dx, dkernel, dr, ds
 
 
-def _plan(x, kernel, r, s, spec: ConvSpec, needs: Needs) -> str:
+def _plan(x, kernel, r, s, config: ConvConfig, needs: Needs) -> str:
     del x, kernel, r, s  # the measured table is per backend and case
-    if spec.params is not None:
-        if spec.params == "kernels" and spec.feature_group_count != 1:
+    if config.params is not None:
+        if config.params == "kernels" and config.feature_group_count != 1:
             return "activations"
-        return spec.params
-    return choose(needs, spec.feature_group_count)
+        return config.params
+    return choose_conv_backward(needs, config.feature_group_count)
 
 
 def _keeps_product(params: str, needs: Needs) -> bool:
@@ -329,12 +286,12 @@ def _keeps_product(params: str, needs: Needs) -> bool:
     return needs.s and params == "activations"
 
 
-def _backward(x, kernel, r, s, z, g, spec: ConvSpec, params: str, needs: Needs):
+def _backward(x, kernel, r, s, z, g, config: ConvConfig, params: str, needs: Needs):
     gradients = {
         "kernels": _kernel_gradients,
         "activations": _activation_gradients,
     }[params]
-    return gradients(x, kernel, r, s, z, g, spec, needs)
+    return gradients(x, kernel, r, s, z, g, config, needs)
 
 
 _conv = define(
@@ -349,14 +306,14 @@ _conv = define(
 )
 
 
-def conv_by_member(x, kernel, r, s, spec: ConvSpec):
+def conv_by_member(x, kernel, r, s, config: ConvConfig):
     """``conv(x_k * r_k, W) * s_k`` for every member, with the rule above.
 
     >>> import jax.numpy as jnp
-    >>> spec = ConvSpec((1,), "VALID", (1,), (1,), 1, None, None)
+    >>> config = ConvConfig((1,), "VALID", (1,), (1,), 1, None, None)
     >>> x = jnp.ones((2 * 3, 5, 4))              # E=2, B=3, length 5, in=4
     >>> y = conv_by_member(x, jnp.ones((3, 4, 2)), jnp.ones((2, 4)),
-    ...                    jnp.ones((2, 2)), spec)
+    ...                    jnp.ones((2, 2)), config)
     >>> y.shape, float(y[0, 0, 0])
     ((6, 3, 2), 12.0)
 
@@ -366,10 +323,10 @@ def conv_by_member(x, kernel, r, s, spec: ConvSpec):
       kernel: ``[*kernel_size, in/G, out]``.
       r: ``[E, in]``.
       s: ``[E, out]``.
-      spec: the convolution's static options.
+      config: the convolution's static options.
 
     Returns:
       ``[E*N, *out_spatial, out]``.
     """
-    y = _conv(_members(x, r.shape[0]), kernel, r, s, spec)
+    y = _conv(_members(x, r.shape[0]), kernel, r, s, config)
     return _flat(y)

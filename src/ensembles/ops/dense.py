@@ -1,4 +1,4 @@
-"""The BatchEnsemble dense op: validation, implementation dispatch, jnp formulation.
+"""The BatchEnsemble dense op: validation, then the one path that runs.
 
 Member ``k`` of the op maps its rows ``[k*B, (k+1)*B)`` of the member-major batch
 as if its kernel were ``kernel * outer(r[k], s[k])``. That is computed without
@@ -8,8 +8,8 @@ ever forming per-member kernels::
 
 The ``"xla"`` implementation below is that formula in ``jnp``, in one of two
 forms. On one device it splits the members off with reshapes and runs one 2-D
-matmul (see ``shared/notes/pallas.md``: the 2-D form is what XLA's CPU backend
-compiles best, forward and backward). Where a batch can be sharded (more than
+matmul (the 2-D form is what XLA's CPU backend compiles best, forward and
+backward: ``docs/cost.md``). Where a batch can be sharded (more than
 one device) it never reshapes the row axis: each row gathers its member's fast
 weights and bias, so XLA's SPMD partitioner keeps rows, middle axes and kernel
 features sharded as the user placed them, for any E (see
@@ -17,7 +17,7 @@ features sharded as the user placed them, for any E (see
 reference the tests compare every other implementation against. The
 ``"pallas"`` implementation is the fused GPU/TPU kernel of
 :mod:`ensembles.ops.pallas`; which one ``"auto"`` runs is decided by the
-measured table of :mod:`ensembles.ops.dispatch`.
+measured table of :mod:`ensembles.ops.plan`.
 """
 
 from __future__ import annotations
@@ -31,20 +31,11 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from ensembles._checks import (
-    check_members,
-    check_num_members,
-)
+from ensembles._checks import check_member_shapes, check_num_members
 from ensembles.ops import dense_xla, pallas
-from ensembles.ops.dispatch import IMPLS, check_impl, resolve_impl
+from ensembles.ops.plan import auto_impl, check_impl
 
-__all__ = [
-    "IMPLS",
-    "batch_ensemble_dense",
-    "check_impl",
-    "resolve_impl",
-    "rows_may_be_sharded",
-]
+__all__ = ["batch_ensemble_dense", "rows_may_be_sharded"]
 
 
 def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
@@ -71,12 +62,9 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             f"(`kernel.shape[0]`={in_features}); got inputs of shape "
             f"{inputs.shape}."
         )
-    check_members(inputs.shape[0], r, s, bias, num_members, in_features, out_features)
-
-
-# The one-device formulation: members split off by reshapes; which formulation
-# runs, forward and backward, is chosen by the cost model of dense_xla.
-_dense_by_member = dense_xla.dense_by_member
+    check_member_shapes(
+        inputs.shape[0], r, s, bias, num_members, in_features, out_features
+    )
 
 
 def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:
@@ -126,7 +114,7 @@ def _per_row(array, member, like) -> jax.Array:
 
 
 def _dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    """The sharding-friendly formulation: the row axis is never reshaped.
+    """The sharding-friendly path: the row axis is never reshaped.
 
     Each row takes its member's ``r``, ``s`` and bias with a gather by a member
     index computed from an iota, and the matmul contracts the feature axis of
@@ -152,7 +140,7 @@ def _dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_ty
 
 
 def rows_may_be_sharded() -> bool:
-    """Whether the dense ops use their sharding-friendly formulation.
+    """Whether the dense ops take their sharding-friendly path.
 
     That is whenever this process sees more than one device (on many hosts:
     more than one in all), since only then can a batch be sharded. On one
@@ -163,47 +151,6 @@ def rows_may_be_sharded() -> bool:
     False
     """
     return jax.device_count() > 1
-
-
-def _dense_xla(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    formulation = _dense_by_row if rows_may_be_sharded() else _dense_by_member
-    return formulation(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
-
-
-def _dense_pallas(
-    inputs,
-    kernel,
-    r,
-    s,
-    bias,
-    *,
-    precision,
-    preferred_element_type,
-    interpret,
-    block_sizes,
-):
-    return pallas.fused_dense(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        interpret=interpret,
-        block_sizes=block_sizes,
-    )
-
-
-_IMPLEMENTATIONS = {"xla": _dense_xla, "pallas": _dense_pallas}
 
 
 def _kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type):
@@ -297,8 +244,9 @@ def batch_ensemble_dense(
         ``jax.lax.dot_general``.
       impl: ``"xla"`` (the ``jnp`` formulation), ``"pallas"`` (the fused
         Pallas kernel) or ``"auto"``: what the measured table of
-        :mod:`ensembles.ops.dispatch` picks for the backend, shape and dtype
-        (today ``"xla"`` everywhere; see :func:`resolve_impl`).
+        :mod:`ensembles.ops.plan` picks for the backend, shape and dtype
+        (today ``"xla"`` everywhere; see
+        :func:`ensembles.ops.plan.resolve_impl`).
       interpret: Pallas only. ``True`` runs the kernel in Pallas' interpreter
         on any backend (and selects ``"pallas"`` under ``"auto"``); a
         ``jax.experimental.pallas.tpu.InterpretParams`` runs the TPU kernel in
@@ -322,23 +270,23 @@ def batch_ensemble_dense(
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
     _check_dense_shapes(inputs, kernel, r, s, bias, num_members)
-    rows_per_member = math.prod(inputs.shape[:-1]) // num_members
-    impl = resolve_impl(
-        impl,
-        shape=(rows_per_member, *kernel.shape),
-        dtype=_kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type),
-    )
-    options = {}
+    if impl == "auto":
+        impl = auto_impl(
+            shape=(math.prod(inputs.shape[:-1]) // num_members, *kernel.shape),
+            dtype=_kernel_dtype(inputs, kernel, r, s, bias, preferred_element_type),
+        )
+    options = {"precision": precision, "preferred_element_type": preferred_element_type}
     if impl == "pallas":
-        options = {"interpret": interpret, "block_sizes": block_sizes}
-        pallas.check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
-    return _IMPLEMENTATIONS[impl](
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-        **options,
-    )
+        return pallas.fused_dense(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            interpret=interpret,
+            block_sizes=block_sizes,
+            **options,
+        )
+    if rows_may_be_sharded():
+        return _dense_by_row(inputs, kernel, r, s, bias, **options)
+    return dense_xla.dense_by_member(inputs, kernel, r, s, bias, **options)

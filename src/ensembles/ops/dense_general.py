@@ -33,6 +33,7 @@ from ensembles._checks import (
     check_num_members,
 )
 from ensembles.ops import dense
+from ensembles.ops.plan import check_impl
 
 __all__ = ["batch_ensemble_dense_general", "normalize_axes"]
 
@@ -262,7 +263,7 @@ def batch_ensemble_dense_general(
       TypeError: if ``num_members`` or an axis is not an int.
     """
     num_members = check_num_members(num_members)
-    impl = dense.check_impl(impl)
+    impl = check_impl(impl)
     if isinstance(num_batch_axes, bool) or not isinstance(num_batch_axes, int):
         raise TypeError(f"`num_batch_axes` must be an int, got {num_batch_axes!r}.")
     if num_batch_axes < 0:

@@ -35,6 +35,7 @@ from jax import lax
 
 from ensembles._checks import check_member_batch, check_num_members
 from ensembles.ops import dense
+from ensembles.ops.plan import check_impl
 
 __all__ = [
     "Subscripts",
@@ -403,7 +404,7 @@ def batch_ensemble_einsum(
         int.
     """
     num_members = check_num_members(num_members)
-    impl = dense.check_impl(impl)
+    impl = check_impl(impl)
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
     subscripts = parse(einsum_str, inputs.ndim)

@@ -24,9 +24,10 @@ Modules, one concern each:
 * :mod:`.fused`: dtype checks, the per-platform family choice, padding and
   slicing, and the ``jax.custom_vjp``.
 
-Whether ``impl="auto"`` runs these kernels is decided from measurements in
-:mod:`ensembles.ops.dispatch`, not here. A new family (e.g. Mosaic GPU for
-Hopper) is a new module with ``forward`` and ``backward`` on padded operands,
+Whether ``impl="auto"`` runs these kernels is decided in
+:mod:`ensembles.ops.plan`, from the measured table of
+:mod:`ensembles.ops.cost`, not here. A new family (e.g. Mosaic GPU for Hopper)
+is a new module with ``forward`` and ``backward`` on padded operands,
 registered in :mod:`.fused`.
 """
 

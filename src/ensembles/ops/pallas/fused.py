@@ -133,7 +133,7 @@ def dense_reference(x3, kernel, r, s, bias=None, *, precision=None, out_dtype=No
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class FusedConfig:
     """Everything static about one call of the fused op."""
 
     blocks: BlockSizes
@@ -151,7 +151,7 @@ class _Config:
         return KernelConfig(self.precision, self.out_dtype, interpret)
 
 
-def _tiling(family: str, x3, w, config: _Config):
+def _tiling(family: str, x3, w, config: FusedConfig):
     return tiling(
         family,
         rows=x3.shape[1],
@@ -216,7 +216,7 @@ def _reference_backward(x3, w, r, s, g3, config):
     return dx3, dw, dr.astype(jnp.float32), ds.astype(jnp.float32)
 
 
-def _dispatch(config: _Config, run_family, reference, *args):
+def _dispatch(config: FusedConfig, run_family, reference, *args):
     """Runs ``run_family(family, *args, config, interpret)`` for the platform."""
     if config.family is not None:
         return run_family(config.family, *args, config, True)
@@ -233,7 +233,7 @@ def _dispatch(config: _Config, run_family, reference, *args):
     )
 
 
-def _forward(x3, w, r, s, bias, config: _Config):
+def _forward(x3, w, r, s, bias, config: FusedConfig):
     # The bias is closed over, not passed: it may be None, and
     # platform_dependent's branches take arrays only.
     def family_forward(family, x3, w, r, s, config, interpret):
@@ -246,17 +246,17 @@ def _forward(x3, w, r, s, bias, config: _Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused(x3, w, r, s, bias, config: _Config):
+def _fused(x3, w, r, s, bias, config: FusedConfig):
     return _forward(x3, w, r, s, bias, config)
 
 
-def _fused_fwd(x3, w, r, s, bias, config: _Config):
+def _fused_fwd(x3, w, r, s, bias, config: FusedConfig):
     # Residuals: the operands only (check_dtypes made every operand share x3's
     # dtype); no activation-sized intermediate is kept.
     return _forward(x3, w, r, s, bias, config), (x3, w, r, s)
 
 
-def _fused_bwd(config: _Config, residuals, g3):
+def _fused_bwd(config: FusedConfig, residuals, g3):
     x3, w, r, s = residuals
     dx3, dw, dr, ds = _dispatch(
         config, _family_backward, _reference_backward, x3, w, r, s, g3
@@ -286,9 +286,9 @@ def fused_dense(
     """The Pallas implementation of ``batch_ensemble_dense(..., impl="pallas")``.
 
     Call :func:`ensembles.ops.batch_ensemble_dense` rather than this: it
-    validates the shapes (``num_members`` is read from ``r`` here). This
-    function checks the dtypes and block sizes and runs the fused kernel with
-    its custom VJP.
+    validates the shapes, ``interpret`` and ``block_sizes`` (``num_members`` is
+    read from ``r`` here). This function checks the dtypes and runs the fused
+    kernel with its custom VJP.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones((2 * 3, 4))                    # E=2 members, B=3 rows each
@@ -318,20 +318,14 @@ def fused_dense(
       The ``[E*B, ..., out_features]`` outputs.
 
     Raises:
-      TypeError: for unsupported dtypes or a ``block_sizes`` that is not a
-        :class:`BlockSizes`.
+      TypeError: for unsupported dtypes.
     """
     if block_sizes is None:
         block_sizes = BlockSizes()
-    if not isinstance(block_sizes, BlockSizes):
-        raise TypeError(
-            f"`block_sizes` must be an `ensembles.ops.BlockSizes` or None, got "
-            f"{block_sizes!r} of type {type(block_sizes).__name__}."
-        )
     if _family not in (None, "gpu", "tpu"):
         raise ValueError(f"`_family` must be None, 'gpu' or 'tpu', got {_family!r}.")
     dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
-    config = _Config(
+    config = FusedConfig(
         blocks=block_sizes,
         precision=precision,
         out_dtype=jnp.dtype(preferred_element_type or dtype),

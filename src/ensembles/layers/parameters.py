@@ -1,0 +1,156 @@
+"""Drawing, copying and slicing a layer's parameters: plain functions.
+
+A layer's constructor draws each parameter in plain sight::
+
+    with drawing_from(rngs) as draw:
+        self.kernel = new_param(nnx.Param, kernel_init, draw, shape, dtype,
+                                kernel_metadata, "kernel_init")
+
+:func:`drawing_from` lets a constructor that fails halfway (an initializer
+returning the wrong shape, say) leave the caller's ``rngs`` as they were;
+:func:`new_param` checks the shape an initializer made. ``from_*``
+classmethods pass the pretrained values as initializers (:func:`copy_of`,
+:func:`member_copies`), and ``extract_member`` slices one member back out
+(:func:`member_slice`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import initializers
+
+from ensembles import initializers as fast_initializers
+from ensembles.layers.sharding import member_axis_metadata, without_member_axis_metadata
+
+__all__ = [
+    "check_rngs",
+    "copy_of",
+    "default_bias_init",
+    "default_fast_weight_init",
+    "default_kernel_init",
+    "drawing_from",
+    "member_copies",
+    "member_slice",
+    "new_param",
+]
+
+#: The defaults of every BatchEnsemble weight layer: Flax's for the kernel and
+#: bias, N(1, 0.5) for the fast weights (uncertainty-baselines' recipe).
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
+default_fast_weight_init = fast_initializers.normal(1.0, 0.5)
+
+
+def check_rngs(rngs: Any, name: str = "rngs") -> nnx.Rngs:
+    """Checks that ``rngs`` is an ``nnx.Rngs`` (what ``rngs.params()`` needs)."""
+    if not isinstance(rngs, nnx.Rngs):
+        hint = (
+            "wrap it: `nnx.Rngs(params=key)`"
+            if hasattr(rngs, "dtype")
+            else "e.g. `nnx.Rngs(0)`"
+        )
+        raise TypeError(
+            f"`{name}` must be an `nnx.Rngs`, got {rngs!r} of type "
+            f"{type(rngs).__name__}: {hint}."
+        )
+    return rngs
+
+
+@contextlib.contextmanager
+def drawing_from(rngs: Any) -> Iterator[nnx.Rngs]:
+    """Yields a copy of ``rngs`` to draw from; ``rngs`` catches up on success.
+
+    A constructor that fails halfway has then drawn nothing from the caller's
+    ``rngs``: its stream counts stay as they were, so a retry draws the same
+    keys as a first try would.
+    """
+    rngs = check_rngs(rngs)
+    draw = nnx.clone(rngs)
+    yield draw
+    nnx.update(rngs, nnx.state(draw))
+
+
+def new_param(
+    variable_type: type[nnx.Variable],
+    initializer: Callable[..., jax.Array],
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    dtype: Any,
+    metadata: Mapping[str, Any],
+    name: str,
+) -> nnx.Variable:
+    """A new ``variable_type`` from ``initializer(rngs.params(), shape, dtype)``.
+
+    Args:
+      variable_type: e.g. ``nnx.Param`` or ``ensembles.FastWeight``.
+      initializer: the layer's ``<name>`` argument.
+      rngs: what to draw the key from (see :func:`drawing_from`).
+      shape: the shape the layer needs.
+      dtype: the parameter dtype.
+      metadata: the variable's metadata (e.g. sharding names).
+      name: the initializer's argument name, for the error.
+
+    Returns:
+      The new variable.
+
+    Raises:
+      ValueError: if the initializer made another shape.
+    """
+    value = initializer(rngs.params(), tuple(shape), dtype)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"`{name}` returned an array of shape {tuple(value.shape)}, but the "
+            f"layer needs shape {tuple(shape)}: pass an initializer that honours "
+            f"its `shape` argument."
+        )
+    return variable_type(value, **metadata)
+
+
+def copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
+    """An initializer returning ``variable``'s value (reshaped to the shape asked).
+
+    What ``from_*`` passes as ``kernel_init`` to keep a pretrained kernel.
+    """
+    value = variable[...]
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        del key, dtype
+        return jnp.reshape(value, tuple(shape))
+
+    return init
+
+
+def member_copies(
+    variable: nnx.Variable | None,
+) -> tuple[Callable[..., jax.Array] | None, dict[str, Any]]:
+    """Initializer and metadata giving every member a copy of a pretrained Variable.
+
+    What ``from_*`` uses to broadcast a pretrained bias (or norm scale) to
+    ``[E, ...]``: the initializer broadcasts the value (reshaped to the
+    per-member shape, which may be flattened) and the metadata gains a member
+    axis (:func:`~ensembles.layers.sharding.member_axis_metadata`). ``None``
+    gives ``(None, {})``.
+    """
+    if variable is None:
+        return None, {}
+    value = variable[...]
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        del key, dtype
+        return jnp.broadcast_to(jnp.reshape(value, tuple(shape)[1:]), tuple(shape))
+
+    return init, member_axis_metadata(variable.get_metadata())
+
+
+def member_slice(variable: nnx.Variable | None, member: int) -> nnx.Variable | None:
+    """Member ``member``'s slice of an ``[E, ...]`` variable, of the same type."""
+    if variable is None:
+        return None
+    metadata = without_member_axis_metadata(variable.get_metadata())
+    return type(variable)(variable[member], **metadata)

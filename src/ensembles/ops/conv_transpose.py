@@ -1,0 +1,190 @@
+"""The BatchEnsemble transposed convolution op: validation and jnp formulation.
+
+Member ``k`` of :func:`batch_ensemble_conv_transpose` maps its rows
+``[k*B, (k+1)*B)`` of a member-major, channels-last batch as
+``nnx.ConvTranspose`` with kernel ``kernel * (r[k] (x) s[k])`` would: one
+shared ``lax.conv_transpose`` between the scalings by ``r`` and ``s``. The
+wrap-around sums of a circular transposed convolution commute with the
+per-channel scaling by ``s``. Plain ``jnp``, differentiated by JAX's own rules.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ensembles._checks import check_num_members
+from ensembles.ops.conv import (
+    IntOrSequence,
+    PaddingLike,
+    check_padding,
+    check_shapes,
+    flatten_batch,
+    from_members,
+    spatial_tuple,
+)
+from ensembles.ops.plan import CONV_IMPLS, check_impl
+
+__all__ = ["batch_ensemble_conv_transpose"]
+
+
+def _to_members(inputs, r, rank):
+    """Flattens batch axes to one and scales input channels by ``r``."""
+    num_members, in_features = r.shape
+    x = flatten_batch(inputs, rank)
+    x = x.reshape(num_members, -1, *x.shape[1:])
+    x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _conv_transpose_xla(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    strides,
+    padding,
+    kernel_dilation,
+    transpose_kernel,
+    precision,
+    preferred_element_type,
+):
+    rank = kernel.ndim - 2
+    batch_shape = inputs.shape[: -rank - 1]
+    x = _to_members(inputs, r, rank)
+    y = lax.conv_transpose(
+        x,
+        kernel,
+        strides,
+        "VALID" if padding == "CIRCULAR" else padding,
+        rhs_dilation=kernel_dilation,
+        transpose_kernel=transpose_kernel,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    if padding == "CIRCULAR":
+        # nnx.ConvTranspose's circular padding: pad each spatial axis to whole
+        # periods (input size times stride) and sum the periods.
+        periods = [n * stride for n, stride in zip(x.shape[1:-1], strides, strict=True)]
+        size_diffs = [
+            -(m - p) % (2 * p) for m, p in zip(y.shape[1:-1], periods, strict=True)
+        ]
+        if transpose_kernel:
+            pads = [(d // 2, (d + 1) // 2) for d in size_diffs]
+        else:
+            pads = [((d + 1) // 2, d // 2) for d in size_diffs]
+        y = jnp.pad(y, [(0, 0), *pads, (0, 0)])
+        for axis, period in enumerate(periods, start=1):
+            y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
+            y = y.sum(axis=axis)
+    return from_members(y, s, bias, batch_shape)
+
+
+def batch_ensemble_conv_transpose(
+    inputs: jax.Array,
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    num_members: int,
+    strides: IntOrSequence = None,
+    padding: PaddingLike = "SAME",
+    kernel_dilation: IntOrSequence = None,
+    transpose_kernel: bool = False,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jnp.dtype | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Applies a BatchEnsemble transposed convolution to a member-major batch.
+
+    Rows ``[k*B, (k+1)*B)`` of ``inputs`` belong to member ``k``, which maps
+    them as ``nnx.ConvTranspose`` with kernel ``effective_kernel(kernel, r[k],
+    s[k], transpose_kernel=transpose_kernel)`` and bias ``bias[k]`` would: one
+    shared ``lax.conv_transpose`` between the scalings by ``r`` and ``s``.
+    Every argument after ``num_members`` means what it means for
+    ``nnx.ConvTranspose``.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.ops import batch_ensemble_conv_transpose
+    >>> x = jnp.ones((2 * 3, 4, 4))                  # E=2, B=3, length 4, 4 channels
+    >>> kernel = jnp.ones((3, 4, 5))                 # kernel 3, in=4, out=5
+    >>> r = jnp.ones((2, 4))
+    >>> s = jnp.stack([jnp.ones(5), -jnp.ones(5)])   # [E, out]
+    >>> y = batch_ensemble_conv_transpose(x, kernel, r, s, num_members=2,
+    ...                                   strides=2)
+    >>> y.shape
+    (6, 8, 5)
+    >>> y[:, 2, 0]
+    Array([ 8.,  8.,  8., -8., -8., -8.], dtype=float32)
+
+    Args:
+      inputs: ``[E*B, ..., *spatial, in_features]`` member-major batch; extra
+        batch axes after the first are flattened, as ``nnx.ConvTranspose`` does.
+      kernel: the shared ``[*kernel_size, in_features, out_features]`` kernel
+        (``[*kernel_size, out_features, in_features]`` with
+        ``transpose_kernel=True``).
+      r: ``[E, in_features]`` input fast weights.
+      s: ``[E, out_features]`` output fast weights.
+      bias: ``[E, out_features]`` per-member bias, or ``None``.
+      num_members: the ensemble size E.
+      strides: an int or one int per spatial dimension (``None``: 1).
+      padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
+        ``'CIRCULAR'``, an int, or one int or ``(low, high)`` pair per spatial
+        dimension. ``'CAUSAL'`` and ``'REFLECT'`` are rejected:
+        ``nnx.ConvTranspose`` does not implement them either.
+      kernel_dilation: an int or one int per spatial dimension (``None``: 1).
+      transpose_kernel: if True, flip the spatial axes and swap the channel
+        axes of the kernel, as ``jax.lax.conv_transpose`` does.
+      precision: convolution precision, as for ``jax.lax.conv_transpose``.
+      preferred_element_type: accumulation/output dtype of the convolution.
+      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (``"xla"``).
+
+    Returns:
+      The ``[E*B, ..., *out_spatial, out_features]`` outputs.
+
+    Raises:
+      ValueError: if a shape, ``num_members``, an option or ``impl`` is
+        invalid; the message names the argument and the fix.
+      TypeError: if ``num_members`` or an option has the wrong type.
+    """
+    num_members = check_num_members(num_members)
+    check_impl(impl, CONV_IMPLS)  # "xla" is the one implementation
+    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
+    bias = None if bias is None else jnp.asarray(bias)
+    if kernel.ndim >= 2:
+        in_features, out_features = kernel.shape[-2:]
+        if transpose_kernel:
+            in_features, out_features = out_features, in_features
+    else:
+        in_features = out_features = -1
+    rank = check_shapes(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        num_members,
+        in_features,
+        out_features,
+        "`kernel.shape[-1]` with `transpose_kernel=True`"
+        if transpose_kernel
+        else "`kernel.shape[-2]`",
+    )
+    padding = check_padding(padding, rank, transpose=True)
+    return _conv_transpose_xla(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        strides=spatial_tuple(strides, "strides", rank),
+        padding=padding,
+        kernel_dilation=spatial_tuple(kernel_dilation, "kernel_dilation", rank),
+        transpose_kernel=bool(transpose_kernel),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )

@@ -8,7 +8,7 @@ the same matmuls, the limit) and to a deep ensemble (E kernels in one batched
 einsum). Medians of per-round ratios over interleaved rounds in one process:
 compare ratios, not milliseconds, across machines. On CPU the Pallas kernel
 only interprets, so it is not timed there. This is what decides the rows of
-``ensembles.ops.dispatch.AUTO_TABLE``::
+``ensembles.ops.cost.AUTO_TABLE``::
 
     python -m benchmarks.bench_impls [--dtype bfloat16] [--repeats 20] [--json out.json]
 """

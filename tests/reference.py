@@ -161,3 +161,17 @@ def assert_same(before, after):
     assert len(before) == len(after)
     for old, new in zip(before, after, strict=True):
         np.testing.assert_array_equal(old, new)
+
+
+def assert_trees_equal(expected, actual):
+    """Equal leaves of equal trees, and at least one leaf compared.
+
+    (Mapping ``np.testing.assert_array_equal`` over two trees passes when both
+    are empty, so a test comparing nothing would pass.)
+    """
+    expected_leaves, expected_def = jax.tree.flatten(expected)
+    actual_leaves, actual_def = jax.tree.flatten(actual)
+    assert expected_leaves, "nothing compared: the expected tree is empty"
+    assert expected_def == actual_def, (expected_def, actual_def)
+    for old, new in zip(expected_leaves, actual_leaves, strict=True):
+        np.testing.assert_array_equal(old, new)

@@ -19,6 +19,7 @@ from ensembles import BatchEnsembleConv, BatchEnsembleConvTranspose, initializer
 from ensembles.layers.sharding import without_member_axis_metadata
 from tests.reference import (
     assert_same,
+    assert_trees_equal,
     conv_effective_kernel,
     flax_member_outputs,
     snapshot,
@@ -430,7 +431,7 @@ class TestParameters:
         nnx.jit(lambda m, x: m(x))(layer, x)
         nnx.view(layer, member=1)(x[:2])
         assert nnx.graphdef(layer) == graphdef
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
+        assert_trees_equal(before, nnx.state(layer))
         assert layer.member is None and layer.use_bias
 
 
@@ -576,7 +577,7 @@ class TestFromConv:
         layer.kernel[...] = layer.kernel[...] + 1.0
         layer.bias[...] = layer.bias[...] + 1.0
         apply(layer, random_array(0, (3, 5, 5, 4)))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(original))
+        assert_trees_equal(before, nnx.state(original))
         assert type(original) is (nnx.ConvTranspose if transpose else nnx.Conv)
 
     @pytest.mark.parametrize("transpose", [False, True])
@@ -632,7 +633,7 @@ class TestFromConv:
             ValueError, match=r"`layer.conv_general_dilated` is a custom"
         ):
             convert(original)
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(original))
+        assert_trees_equal(before, nnx.state(original))
 
     def test_rejects_bad_num_members(self):
         with pytest.raises(
@@ -694,9 +695,7 @@ class TestMembers:
         )
         back = convert(original, **ONES).extract_member(2)
         assert type(back) is type(original)
-        jax.tree.map(
-            np.testing.assert_array_equal, nnx.state(back), nnx.state(original)
-        )
+        assert_trees_equal(nnx.state(back), nnx.state(original))
         for name in vars(original):
             if not name.startswith("_") and name not in ("kernel", "bias", "mask"):
                 assert getattr(back, name) == getattr(original, name), name
@@ -708,7 +707,7 @@ class TestMembers:
         layer = BatchEnsembleConv(4, 6, 3, num_members=3, rngs=nnx.Rngs(0))
         before = jax.tree.map(np.array, nnx.state(layer))
         layer.extract_member(1).kernel[...] = jnp.zeros((3, 4, 6))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
+        assert_trees_equal(before, nnx.state(layer))
         with pytest.raises(ValueError, match=r"`member` must be in \[0, num_members\)"):
             layer.extract_member(3)
 
@@ -763,7 +762,7 @@ class TestErrors:
             layer(random_array(0, shape))
         with pytest.raises(ValueError, match=match):
             nnx.jit(lambda m, x: m(x))(layer, random_array(0, shape))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
+        assert_trees_equal(before, nnx.state(layer))
         assert layer.member is None
 
     @pytest.mark.parametrize("cls", [BatchEnsembleConv, BatchEnsembleConvTranspose])

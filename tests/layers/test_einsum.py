@@ -15,7 +15,7 @@ from tests.ops.test_einsum import (
     member_axis,
     reference,
 )
-from tests.reference import assert_same, random_cotangent, snapshot
+from tests.reference import assert_same, assert_trees_equal, random_cotangent, snapshot
 from tests.tolerances import assert_close
 
 ONES = {"r_init": initializers.ones(), "s_init": initializers.ones()}
@@ -238,8 +238,7 @@ class TestFromEinsum:
         assert (layer.bias is None) is not use_bias
         # Round trip: every member is the original again.
         for k in range(3):
-            jax.tree.map(
-                np.testing.assert_array_equal,
+            assert_trees_equal(
                 nnx.state(layer.extract_member(k)),
                 nnx.state(original),
             )

@@ -8,7 +8,7 @@ from flax import nnx
 import ensembles
 from ensembles import BatchEnsembleLinear, FastWeight, initializers
 from ensembles.layers.sharding import member_axis_metadata
-from tests.reference import dense_reference
+from tests.reference import assert_trees_equal, dense_reference
 from tests.tolerances import assert_close
 
 MIDDLE_SHAPES = {2: (), 3: (3,), 4: (2, 3)}
@@ -213,7 +213,7 @@ class TestFromLinear:
         layer.kernel[...] = layer.kernel[...] + 1.0
         layer.bias[...] = layer.bias[...] + 1.0
         after = jax.tree.map(np.array, nnx.state(linear))
-        jax.tree.map(np.testing.assert_array_equal, before, after)
+        assert_trees_equal(before, after)
         assert type(linear) is nnx.Linear
 
     def test_shared_kernel_is_the_same_variable(self):
@@ -481,13 +481,13 @@ class TestExtractMember:
             s_init=initializers.ones(),
         )
         back = layer.extract_member(1)
-        jax.tree.map(np.testing.assert_array_equal, nnx.state(back), nnx.state(linear))
+        assert_trees_equal(nnx.state(back), nnx.state(linear))
 
     def test_layer_unchanged_and_bad_member(self):
         layer = make_layer(3)
         before = jax.tree.map(np.array, nnx.state(layer))
         layer.extract_member(2).kernel[...] = jnp.zeros((6, 4))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(layer))
+        assert_trees_equal(before, nnx.state(layer))
         with pytest.raises(ValueError, match=r"`member` must be in \[0, num_members\)"):
             layer.extract_member(3)
 
@@ -520,5 +520,7 @@ def test_extract_member_of_a_module_without_it_says_what_to_define():
         def __init__(self):
             self.num_members, self.member = 2, None
 
-    with pytest.raises(NotImplementedError, match=r"does not implement `extract_member`"):
+    with pytest.raises(
+        NotImplementedError, match=r"does not implement `extract_member`"
+    ):
         Custom().extract_member(0)

@@ -7,7 +7,11 @@ from flax import nnx
 import ensembles
 from ensembles import BatchEnsembleLinearGeneral, FastWeight, initializers
 from ensembles.ops import batch_ensemble_dense_general
-from tests.reference import flax_rows_reference, general_effective_kernel
+from tests.reference import (
+    assert_trees_equal,
+    flax_rows_reference,
+    general_effective_kernel,
+)
 from tests.tolerances import assert_close
 
 # name: (in_features, out_features, constructor kwargs, one member's input shape)
@@ -266,7 +270,7 @@ class TestFromLinearGeneral:
         assert layer.kernel is not original.kernel
         layer.kernel[...] = layer.kernel[...] + 1
         layer.bias[...] = layer.bias[...] + 1
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(original))
+        assert_trees_equal(before, nnx.state(original))
         shared = BatchEnsembleLinearGeneral.from_linear_general(
             original, num_members=2, rngs=nnx.Rngs(0), share_kernel=True
         )
@@ -313,8 +317,7 @@ class TestViewsAndExtract:
             r_init=initializers.ones(),
             s_init=initializers.ones(),
         )
-        jax.tree.map(
-            np.testing.assert_array_equal,
+        assert_trees_equal(
             nnx.state(layer.extract_member(1)),
             nnx.state(original),
         )

@@ -11,7 +11,7 @@ from ensembles import (
     EnsembleLayerNorm,
     EnsembleRMSNorm,
 )
-from tests.reference import flax_rows_reference
+from tests.reference import assert_trees_equal, flax_rows_reference
 from tests.tolerances import assert_close
 
 E = 3
@@ -234,7 +234,7 @@ def test_batch_norm_eval_uses_running_averages():
     norm.eval()
     assert norm.use_running_average is True
     assert_close(nnx.jit(lambda m, x: m(x))(norm, x), expected)
-    jax.tree.map(np.testing.assert_array_equal, before, nnx.state(norm, nnx.BatchStat))
+    assert_trees_equal(before, nnx.state(norm, nnx.BatchStat))
     norm.train()
     assert norm.use_running_average is False
 
@@ -364,7 +364,7 @@ class TestFromFlax:
         for k in range(E):
             assert_close(y[k], norm(x))
         ensemble.scale[...] = ensemble.scale[...] + 1
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(norm))
+        assert_trees_equal(before, nnx.state(norm))
 
     def test_from_rms_norm(self):
         norm = nnx.RMSNorm(4, scale_init=RANDOM, rngs=nnx.Rngs(0))
@@ -420,7 +420,7 @@ class TestErrors:
             r"\(=3\)",
         ):
             norm(random_input(0, (4, 4)))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(norm))
+        assert_trees_equal(before, nnx.state(norm))
 
     @pytest.mark.parametrize("name", list(NORMS))
     def test_wrong_features(self, name):
@@ -430,7 +430,7 @@ class TestErrors:
             ValueError, match=r"The feature axes \(2,\) of `inputs` hold 5 features"
         ):
             norm(random_input(0, (6, 2, 5)))
-        jax.tree.map(np.testing.assert_array_equal, before, nnx.state(norm))
+        assert_trees_equal(before, nnx.state(norm))
 
     def test_wrong_rank(self):
         norm = EnsembleLayerNorm(

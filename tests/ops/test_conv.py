@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from ensembles.ops import batch_ensemble_conv, batch_ensemble_conv_transpose
-from ensembles.ops.conv import IMPLS, effective_kernel, resolve_impl
+from ensembles.ops.conv import effective_kernel
+from ensembles.ops.plan import CONV_IMPLS as IMPLS
+from ensembles.ops.plan import resolve_impl
 from tests.reference import conv_effective_kernel
 from tests.tolerances import assert_close
 
@@ -61,7 +63,7 @@ def test_grouped_effective_kernel_by_hand():
 
 def test_impls():
     assert IMPLS == ("auto", "xla")
-    assert resolve_impl("auto") == "xla"
+    assert resolve_impl("auto", impls=IMPLS) == "xla"
 
 
 def conv_args(num_members=2, batch=3, in_features=4, out_features=6):

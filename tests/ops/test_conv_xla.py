@@ -1,6 +1,6 @@
 """The ``"xla"`` convolution's derivative rule: both formulations, every subset.
 
-``conv_by_member(..., ConvSpec(..., params=...))`` forces each backward
+``conv_by_member(..., ConvConfig(..., params=...))`` forces each backward
 formulation (``None``: the measured table's choice). Gradients are taken with
 ``jax.grad(..., argnums=...)`` over only the differentiated operands, so the
 op's forward-mode rule sees the others carry no tangent and the backward runs
@@ -20,13 +20,10 @@ import pytest
 from jax import lax
 
 from ensembles.ops import batch_ensemble_conv, conv_xla
-from ensembles.ops.conv_xla import (
-    KERNELS_MEASURED,
-    ConvSpec,
-    channels_last_dimension_numbers,
-    choose,
-)
-from ensembles.ops.dense_xla import Needs
+from ensembles.ops.autodiff import Needs
+from ensembles.ops.conv_xla import ConvConfig, channels_last_dimension_numbers
+from ensembles.ops.cost import KERNELS_MEASURED
+from ensembles.ops.plan import choose_conv_backward as choose
 from tests.jaxprs import equations
 from tests.reference import conv_effective_kernel, cotangent_loss, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -101,8 +98,8 @@ def _args(case: Case):
     return x, kernel, r, s, bias
 
 
-def _spec(case: Case, params=None) -> ConvSpec:
-    return ConvSpec(
+def _spec(case: Case, params=None) -> ConvConfig:
+    return ConvConfig(
         case.strides,
         case.padding,
         case.input_dilation,
@@ -412,7 +409,7 @@ def test_choose_first_layer_on_cpu_uses_kernels():
 
 
 def test_choose_hidden_layer_follows_the_table():
-    expected = "kernels" if KERNELS_MEASURED["cpu"]["hidden"] else "activations"
+    expected = "kernels" if KERNELS_MEASURED["cpu"].hidden else "activations"
     assert choose(HIDDEN_LAYER, 1, backend="cpu") == expected
 
 
@@ -442,16 +439,17 @@ def test_choose_unknown_backend_uses_activations():
 def test_every_backend_is_in_the_table():
     assert {"cpu", "gpu", "tpu"} <= set(KERNELS_MEASURED)
     for backend, row in KERNELS_MEASURED.items():
-        assert set(row) == {"first", "hidden"}, backend
+        assert isinstance(row.first, bool) and isinstance(row.hidden, bool), backend
+        assert row.measured.strip(), backend
 
 
 def test_bad_params_names_the_field():
     with pytest.raises(ValueError, match=r"`params` must be .*'bad'"):
-        ConvSpec((1,), "VALID", (1,), (1,), 1, None, None, params="bad")
+        ConvConfig((1,), "VALID", (1,), (1,), 1, None, None, params="bad")
 
 
 def test_spec_is_hashable():
-    spec = ConvSpec((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
+    spec = ConvConfig((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
     assert hash(spec) == hash(
-        ConvSpec((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
+        ConvConfig((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
     )

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ensembles.ops import batch_ensemble_dense
-from ensembles.ops.dense import IMPLS, resolve_impl
+from ensembles.ops.plan import IMPLS, resolve_impl
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close
 

@@ -16,16 +16,9 @@ import jax.numpy as jnp
 import pytest
 
 from ensembles.ops import batch_ensemble_dense, dense_xla
-from ensembles.ops.dense_xla import (
-    COST_MODELS,
-    FORWARDS,
-    PARAM_GRADIENTS,
-    Formulation,
-    Needs,
-    choose,
-    estimate,
-    kernels_fit,
-)
+from ensembles.ops.autodiff import PARAM_GRADIENTS, Needs
+from ensembles.ops.cost import COST_MODELS
+from ensembles.ops.plan import FORWARDS, Formulation, choose, estimate, kernels_fit
 from tests.jaxprs import equations
 from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -419,5 +412,5 @@ def test_positional_bad_formulation():
 def test_every_cost_model_says_where_it_was_measured():
     assert {"cpu", "gpu", "tpu"} <= set(COST_MODELS)
     for backend, model in COST_MODELS.items():
-        assert isinstance(model.where, str), backend
-        assert model.where.strip(), backend
+        assert isinstance(model.measured, str), backend
+        assert model.measured.strip(), backend

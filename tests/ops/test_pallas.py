@@ -28,8 +28,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import ensembles
 from ensembles.ops import BlockSizes, batch_ensemble_dense, resolve_impl
-from ensembles.ops.dispatch import AUTO_TABLE, IMPLS, Choice
+from ensembles.ops.cost import AUTO_TABLE, Choice
 from ensembles.ops.pallas import fused_dense
+from ensembles.ops.plan import IMPLS
 from tests.reference import make_args
 from tests.tolerances import assert_close, assert_close_to_scale
 
@@ -332,7 +333,7 @@ def test_auto_runs_xla_everywhere_today(monkeypatch):
 
 
 def test_auto_follows_a_measured_row(monkeypatch):
-    monkeypatch.setattr("ensembles.ops.dispatch.AUTO_TABLE", (MEASURED_WIN,))
+    monkeypatch.setattr("ensembles.ops.plan.AUTO_TABLE", (MEASURED_WIN,))
     big = (256, 1024, 1024)
     assert resolve_impl("auto", backend="gpu", shape=big, dtype=jnp.bfloat16) == (
         "pallas"

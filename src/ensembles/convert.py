@@ -30,7 +30,8 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     drawing_from,
 )
-from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
+from ensembles.layers.conv import BatchEnsembleConv
+from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
 from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral

@@ -1,7 +1,8 @@
 """BatchEnsemble ``nnx`` layers: parameters plus a call into ``ensembles.ops``."""
 
 from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
-from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
+from ensembles.layers.conv import BatchEnsembleConv
+from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
 from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral

@@ -23,8 +23,8 @@ import pytest
 from flax import nnx
 
 import ensembles
-from ensembles.layers import sharding as base
-from ensembles.ops import dense
+from ensembles.layers import sharding
+from ensembles.ops import dense, dense_xla
 
 SCRIPT = textwrap.dedent(
     """
@@ -251,9 +251,12 @@ def test_model_parallel_step_never_gathers_the_batch(sharded_runs):
 
 @pytest.mark.parametrize("key", ["out_sharding", "sharding_names", "sharding"])
 def test_member_axis_metadata_prepends_replicated_member_axis(key):
-    metadata = base.member_axis_metadata({key: ("model",), "other": 1})
+    metadata = sharding.member_axis_metadata({key: ("model",), "other": 1})
     assert metadata == {key: (None, "model"), "other": 1}
-    assert base.without_member_axis_metadata(metadata) == {key: ("model",), "other": 1}
+    assert sharding.without_member_axis_metadata(metadata) == {
+        key: ("model",),
+        "other": 1,
+    }
 
 
 def test_partition_specs_of_a_layer():
@@ -308,14 +311,14 @@ def test_row_formulation_matches_member_formulation(leading, use_bias):
 
     args = (x, kernel, r, s, bias)
     by_row = dense._dense_by_row(*args, **options)
-    by_member = dense._dense_by_member(*args, **options)
+    by_member = dense_xla.dense_by_member(*args, **options)
     assert by_row.shape == (num_members * batch, *leading, out_features)
     np.testing.assert_allclose(by_row, by_member, rtol=1e-5, atol=1e-5)
     argnums = (0, 1, 2, 3) + ((4,) if use_bias else ())
     grads_row = jax.grad(functools.partial(loss, dense._dense_by_row), argnums)(*args)
-    grads_member = jax.grad(functools.partial(loss, dense._dense_by_member), argnums)(
-        *args
-    )
+    grads_member = jax.grad(
+        functools.partial(loss, dense_xla.dense_by_member), argnums
+    )(*args)
     for g_row, g_member in zip(grads_row, grads_member, strict=True):
         np.testing.assert_allclose(g_row, g_member, rtol=1e-4, atol=1e-4)
 

@@ -25,19 +25,17 @@ from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
 from ensembles.layers.base import EnsembleModule
+from ensembles.layers.batch_norm import EnsembleBatchNorm
+from ensembles.layers.conv import BatchEnsembleConv
+from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
+from ensembles.layers.einsum import BatchEnsembleEinsum
+from ensembles.layers.linear import BatchEnsembleLinear
+from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
+from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
 from ensembles.layers.parameters import (
     check_rngs,
     default_fast_weight_init,
     drawing_from,
-)
-from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
-from ensembles.layers.einsum import BatchEnsembleEinsum
-from ensembles.layers.linear import BatchEnsembleLinear
-from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
-from ensembles.layers.normalization import (
-    EnsembleBatchNorm,
-    EnsembleLayerNorm,
-    EnsembleRMSNorm,
 )
 
 __all__ = ["CONVERTERS", "NORM_CONVERTERS", "extract_member", "to_batch_ensemble"]

@@ -1,15 +1,13 @@
 """BatchEnsemble ``nnx`` layers: parameters plus a call into ``ensembles.ops``."""
 
 from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
-from ensembles.layers.conv import BatchEnsembleConv, BatchEnsembleConvTranspose
+from ensembles.layers.batch_norm import EnsembleBatchNorm
+from ensembles.layers.conv import BatchEnsembleConv
+from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
 from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
-from ensembles.layers.normalization import (
-    EnsembleBatchNorm,
-    EnsembleLayerNorm,
-    EnsembleRMSNorm,
-)
+from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
 
 __all__ = [
     "BatchEnsembleConv",

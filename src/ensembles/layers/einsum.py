@@ -12,16 +12,26 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
-from ensembles._checks import check_positive_int
-from ensembles.layers._legacy import (
-    WEIGHT_OPTIONS,
+from ensembles._checks import check_num_members, check_positive_int
+from ensembles.layers.base import (
     BatchEnsembleModule,
+    check_flax_layer,
+    check_member_index,
+    plain_layer,
+)
+from ensembles.layers.parameters import (
+    copy_of,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    shard_output,
+    drawing_from,
+    member_copies,
+    member_slice,
+    new_param,
 )
+from ensembles.layers.sharding import shard_output
 from ensembles.ops import einsum, plan
+from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleEinsum"]
 
@@ -104,12 +114,6 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
     computes with ``jnp.einsum``'s semantics.
     """
 
-    flax_module = nnx.Einsum
-    _flax_options = ("einsum_str", "kernel_shape", "bias_shape", *WEIGHT_OPTIONS)
-    _flax_functions = MappingProxyType({"einsum_op": (jnp.einsum, "jnp.einsum")})
-    # nnx.Einsum keeps no kernel_init, and its default (LeCun normal) refuses a
-    # 1-D kernel even abstractly; the kernel is replaced at once anyway.
-    _plain_arguments = MappingProxyType({"kernel_init": initializers.zeros_init()})
     _impls = plan.IMPLS
 
     def __init__(
@@ -139,13 +143,59 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             bias_shape = _shape(bias_shape, "bias_shape")
         r_shape, s_shape = einsum.fast_weight_shapes(einsum_str, kernel_shape)
         einsum_str = einsum_str.replace(" ", "")
-        self._init_weights(
-            locals(),
-            kernel_shape=kernel_shape,
-            r_shape=r_shape,
-            s_shape=s_shape,
-            bias_shape=bias_shape,
-        )
+        impl = plan.check_impl(impl)
+        num_members = check_num_members(num_members)
+        with drawing_from(rngs) as draw:
+            self.kernel = new_param(
+                nnx.Param,
+                kernel_init,
+                draw,
+                kernel_shape,
+                param_dtype,
+                kernel_metadata,
+                "kernel_init",
+            )
+            self.r = new_param(
+                FastWeight,
+                r_init,
+                draw,
+                (num_members, *r_shape),
+                param_dtype,
+                fast_weight_metadata,
+                "r_init",
+            )
+            self.s = new_param(
+                FastWeight,
+                s_init,
+                draw,
+                (num_members, *s_shape),
+                param_dtype,
+                fast_weight_metadata,
+                "s_init",
+            )
+            if bias_shape is not None:
+                self.bias = new_param(
+                    nnx.Param,
+                    bias_init,
+                    draw,
+                    (num_members, *bias_shape),
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
+        self.einsum_str = einsum_str
+        self.kernel_shape = kernel_shape
+        self.bias_shape = bias_shape
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.num_members = num_members
+        self.member = None
+        self.impl = impl
 
     @classmethod
     def from_einsum(
@@ -197,9 +247,38 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             ``einsum_str`` contracts the input's first axis (which carries the
             members here).
         """
-        return cls._convert(
-            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
+        check_flax_layer(
+            layer,
+            nnx.Einsum,
+            "layer",
+            cls.__name__,
+            einsum_op=(jnp.einsum, "jnp.einsum"),
         )
+        bias_init, bias_metadata = member_copies(layer.bias)
+        new = cls(
+            layer.einsum_str,
+            layer.kernel_shape,
+            layer.bias_shape,
+            num_members=num_members,
+            dtype=layer.dtype,
+            # The dtype the parameters are held in (a model cast after it was
+            # built keeps a stale `param_dtype`).
+            param_dtype=layer.kernel.dtype,
+            precision=layer.precision,
+            kernel_init=copy_of(layer.kernel),
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            promote_dtype=layer.promote_dtype,
+            preferred_element_type=layer.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=layer.kernel.get_metadata(),
+            bias_metadata=bias_metadata,
+        )
+        if share_kernel:
+            new.kernel = layer.kernel
+        return new
 
     def extract_member(self, member: int) -> nnx.Einsum:
         """Returns member ``member`` as a plain ``nnx.Einsum``.
@@ -227,9 +306,29 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         Returns:
           A new ``nnx.Einsum``; this layer is not changed.
         """
-        return super().extract_member(member)
+        k = check_member_index(member, self.num_members)
+        return plain_layer(
+            lambda rngs: nnx.Einsum(
+                self.einsum_str,
+                self.kernel_shape,
+                self.bias_shape,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                # nnx.Einsum keeps no kernel_init, and its default (LeCun
+                # normal) refuses a 1-D kernel even abstractly; the kernel is
+                # replaced at once anyway.
+                kernel_init=initializers.zeros_init(),
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=rngs,
+            ),
+            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            bias=member_slice(self.bias, k),
+        )
 
-    def _member_kernel(self, member: int) -> jax.Array:
+    def _effective_kernel(self, member: int) -> jax.Array:
+        """Member ``member``'s kernel ``kernel * r[member] * s[member]``."""
         return einsum.effective_kernel(
             self.kernel[...],
             self.r[member],
@@ -269,7 +368,23 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 f"which `r` and `s` were made for: keep each kernel letter in (or "
                 f"out of) the output as the layer's string does."
             )
-        outputs = self._apply(
-            einsum.batch_ensemble_einsum, inputs, einsum_str=einsum_str
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._member_operands(
+            self.r[...], self.s[...], bias
+        )
+        inputs, kernel, r, s, bias = self.promote_dtype(
+            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        )
+        outputs = einsum.batch_ensemble_einsum(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            einsum_str=einsum_str,
+            num_members=num_members,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
         )
         return shard_output(outputs, out_sharding)

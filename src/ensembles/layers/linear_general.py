@@ -16,16 +16,25 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_positive_int
-from ensembles.layers._legacy import (
-    WEIGHT_OPTIONS,
+from ensembles._checks import check_num_members, check_positive_int
+from ensembles.layers.base import (
     BatchEnsembleModule,
+    check_flax_layer,
+    check_member_index,
+    plain_layer,
+)
+from ensembles.layers.parameters import (
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    shard_output,
+    drawing_from,
+    member_copies,
+    member_slice,
+    new_param,
 )
+from ensembles.layers.sharding import shard_output
 from ensembles.ops import dense_general, plan
+from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinearGeneral"]
 
@@ -73,6 +82,17 @@ def _flat_initializer(
                 f"that honours its `shape` argument."
             )
         return jnp.reshape(value, shape)
+
+    return init
+
+
+def _flat_copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
+    """An initializer returning ``variable``'s value in the (flat) shape asked."""
+    value = variable[...]
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        del key, dtype
+        return jnp.reshape(value, tuple(shape))
 
     return init
 
@@ -161,21 +181,6 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    flax_module = nnx.LinearGeneral
-    _flax_options = (
-        "in_features",
-        "out_features",
-        "axis",
-        "batch_axis",
-        "use_bias",
-        *WEIGHT_OPTIONS,
-    )
-    _flax_functions = MappingProxyType(
-        {
-            "dot_general": (lax.dot_general, "jax.lax.dot_general"),
-            "dot_general_cls": (None, "jax.lax.dot_general"),
-        }
-    )
     _impls = plan.IMPLS
 
     def __init__(
@@ -232,17 +237,63 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 f"(={dict(batch_axis)})."
             )
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
-        self._init_weights(
-            locals(),
-            kernel_shape=(*batch_shape, *in_features, *out_features),
-            r_shape=in_features,
-            s_shape=out_features,
-            bias_shape=(*batch_shape, *out_features) if use_bias else None,
-            kernel_init=_flat_initializer(
-                kernel_init, len(batch_shape) + len(in_features), "kernel_init"
-            ),
-            bias_init=_flat_initializer(bias_init, 1, "bias_init"),
-        )
+        impl = plan.check_impl(impl)
+        num_members = check_num_members(num_members)
+        with drawing_from(rngs) as draw:
+            self.kernel = new_param(
+                nnx.Param,
+                _flat_initializer(
+                    kernel_init, len(batch_shape) + len(in_features), "kernel_init"
+                ),
+                draw,
+                (*batch_shape, *in_features, *out_features),
+                param_dtype,
+                kernel_metadata,
+                "kernel_init",
+            )
+            self.r = new_param(
+                FastWeight,
+                r_init,
+                draw,
+                (num_members, *in_features),
+                param_dtype,
+                fast_weight_metadata,
+                "r_init",
+            )
+            self.s = new_param(
+                FastWeight,
+                s_init,
+                draw,
+                (num_members, *out_features),
+                param_dtype,
+                fast_weight_metadata,
+                "s_init",
+            )
+            if use_bias:
+                self.bias = new_param(
+                    nnx.Param,
+                    _flat_initializer(bias_init, 1, "bias_init"),
+                    draw,
+                    (num_members, *batch_shape, *out_features),
+                    param_dtype,
+                    bias_metadata,
+                    "bias_init",
+                )
+            else:
+                self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.axis = axis
+        self.batch_axis = batch_axis
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.num_members = num_members
+        self.member = None
+        self.impl = impl
 
     @classmethod
     def from_linear_general(
@@ -294,26 +345,43 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             ``dot_general_cls``, which the BatchEnsemble op cannot honour, or
             contracts axis 0.
         """
-        return cls._convert(
-            layer, "layer", num_members, rngs, r_init, s_init, share_kernel, impl
+        check_flax_layer(
+            layer,
+            nnx.LinearGeneral,
+            "layer",
+            cls.__name__,
+            dot_general=(lax.dot_general, "jax.lax.dot_general"),
+            dot_general_cls=(None, "jax.lax.dot_general"),
         )
-
-    @classmethod
-    def _flax_arguments(cls, layer: nnx.Module) -> dict[str, Any]:
-        # Our kernel_init is called flat (see _flat_initializer), as Flax's is.
-        kernel = layer.kernel
-        return {
-            **super()._flax_arguments(layer),
-            "kernel_init": lambda key, shape, dtype: jnp.reshape(kernel[...], shape),
-        }
-
-    def _member_kernel(self, member: int) -> jax.Array:
-        num_batch, num_in = len(self.batch_axis), len(self.in_features)
-        num_out = len(self.out_features)
-        r = self.r[member].reshape((1,) * num_batch + self.in_features + (1,) * num_out)
-        s = self.s[member].reshape((1,) * (num_batch + num_in) + self.out_features)
-        kernel = self.kernel[...]
-        return kernel * (r * s).astype(kernel.dtype)
+        bias_init, bias_metadata = member_copies(layer.bias)
+        new = cls(
+            layer.in_features,
+            layer.out_features,
+            num_members=num_members,
+            axis=layer.axis,
+            batch_axis=layer.batch_axis,
+            use_bias=layer.bias is not None,
+            dtype=layer.dtype,
+            # The dtype the parameters are held in (a model cast after it was
+            # built keeps a stale `param_dtype`).
+            param_dtype=layer.kernel.dtype,
+            # Called flat (see _flat_initializer), as Flax's is: the copy is
+            # reshaped to the flat shape, then back.
+            kernel_init=_flat_copy_of(layer.kernel),
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            precision=layer.precision,
+            promote_dtype=layer.promote_dtype,
+            preferred_element_type=layer.preferred_element_type,
+            impl=impl,
+            rngs=rngs,
+            kernel_metadata=layer.kernel.get_metadata(),
+            bias_metadata=bias_metadata,
+        )
+        if share_kernel:
+            new.kernel = layer.kernel
+        return new
 
     def extract_member(self, member: int) -> nnx.LinearGeneral:
         """Returns member ``member`` as a plain ``nnx.LinearGeneral``.
@@ -341,7 +409,33 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         Returns:
           A new ``nnx.LinearGeneral``; this layer is not changed.
         """
-        return super().extract_member(member)
+        k = check_member_index(member, self.num_members)
+        return plain_layer(
+            lambda rngs: nnx.LinearGeneral(
+                self.in_features,
+                self.out_features,
+                axis=self.axis,
+                batch_axis=self.batch_axis,
+                use_bias=self.use_bias,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                promote_dtype=self.promote_dtype,
+                preferred_element_type=self.preferred_element_type,
+                rngs=rngs,
+            ),
+            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            bias=member_slice(self.bias, k),
+        )
+
+    def _effective_kernel(self, member: int) -> jax.Array:
+        """Member ``member``'s kernel ``kernel * r[member] * s[member]``."""
+        num_batch, num_in = len(self.batch_axis), len(self.in_features)
+        num_out = len(self.out_features)
+        r = self.r[member].reshape((1,) * num_batch + self.in_features + (1,) * num_out)
+        s = self.s[member].reshape((1,) * (num_batch + num_in) + self.out_features)
+        kernel = self.kernel[...]
+        return kernel * (r * s).astype(kernel.dtype)
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
@@ -357,10 +451,24 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
           The outputs: the uncontracted axes of ``inputs`` in order, then
           ``out_features``.
         """
-        outputs = self._apply(
-            dense_general.batch_ensemble_dense_general,
+        bias = None if self.bias is None else self.bias[...]
+        num_members, (r, s, bias) = self._member_operands(
+            self.r[...], self.s[...], bias
+        )
+        inputs, kernel, r, s, bias = self.promote_dtype(
+            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        )
+        outputs = dense_general.batch_ensemble_dense_general(
             inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
             axis=self.axis,
             num_batch_axes=len(self.batch_axis),
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            impl=self.impl,
         )
         return shard_output(outputs, out_sharding)

@@ -113,15 +113,17 @@ def new_param(
 
 
 def copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
-    """An initializer returning ``variable``'s value (reshaped to the shape asked).
+    """An initializer returning ``variable``'s value as it is (never reshaped).
 
-    What ``from_*`` passes as ``kernel_init`` to keep a pretrained kernel.
+    What ``from_*`` passes as ``kernel_init`` to keep a pretrained kernel: one
+    that no longer has its layer's shape is refused by :func:`new_param`'s
+    shape check rather than silently reshaped.
     """
     value = variable[...]
 
     def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
-        del key, dtype
-        return jnp.reshape(value, tuple(shape))
+        del key, shape, dtype
+        return value
 
     return init
 

@@ -13,6 +13,7 @@ Property tests over random shapes, members and injected NaN/inf, one rule each:
   was given exactly as they were.
 """
 
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +26,14 @@ import ensembles
 from ensembles import uncertainty
 from tests.reference import assert_same, snapshot
 
-SETTINGS = settings(max_examples=20, deadline=None)
-SMALL = settings(max_examples=15, deadline=None)
+# Every new shape compiles the functions under test again (about 1 s for the
+# six uncertainty scores), which is what an example costs: 10 random ones per
+# property. The layer properties add one explicit example per layer kind
+# (`@example`), so that each kind is tested whatever hypothesis draws.
+SETTINGS = settings(max_examples=10, deadline=None)
+SMALL = settings(max_examples=5, deadline=None)
+# Properties that compile nothing new per example keep their 15.
+CHEAP = settings(max_examples=15, deadline=None)
 
 PER_EXAMPLE = [
     "predictive_probs",
@@ -206,6 +213,17 @@ LAYERS = [
 ]
 
 
+def each_kind(arguments):
+    """``@example(kind=k, **arguments(i))`` for the i-th layer kind k."""
+
+    def decorate(test):
+        for i, kind in reversed(list(enumerate(LAYERS))):
+            test = hypothesis.example(kind=kind, **arguments(i))(test)
+        return test
+
+    return decorate
+
+
 @SMALL
 @given(
     kind=st.sampled_from(LAYERS),
@@ -215,6 +233,16 @@ LAYERS = [
     member=st.integers(0, 2),
     value=st.sampled_from([np.nan, np.inf, -np.inf]),
     seed=st.integers(0, 2**16),
+)
+@each_kind(
+    lambda i: {
+        "num_members": 2 + i % 2,
+        "batch": 1 + i % 3,
+        "features": 1 + (i + 1) % 3,
+        "member": i % 3,
+        "value": [np.nan, np.inf, -np.inf][i % 3],
+        "seed": i,
+    }
 )
 def test_a_broken_member_reaches_no_other_member(
     kind, num_members, batch, features, member, value, seed
@@ -277,6 +305,14 @@ def bad_calls(kind, num_members, batch, features):
     features=st.integers(1, 3),
     warm=st.booleans(),
 )
+@each_kind(
+    lambda i: {
+        "num_members": 1 + (i + 1) % 3,
+        "batch": 1 + i % 2,
+        "features": 1 + i % 3,
+        "warm": i % 2 == 0,  # batch norm (the last) warm
+    }
+)
 def test_a_call_that_raises_changes_nothing(kind, num_members, batch, features, warm):
     layer = make_layer(kind, num_members, features, nnx.Rngs(0))
     good = jnp.ones((num_members * batch, 4, features))
@@ -296,7 +332,7 @@ def wrong_shape(key, shape, dtype):
     return jnp.ones((1,), dtype)
 
 
-@SMALL
+@CHEAP
 @given(
     kind=st.sampled_from(LAYERS),
     num_members=st.integers(1, 3),
@@ -420,7 +456,7 @@ def test_failed_conversion_changes_neither_model_nor_rngs():
     assert rngs_counts(rngs)["default"] > 0
 
 
-@SMALL
+@CHEAP
 @given(
     num_members=st.integers(1, 3),
     bad=st.sampled_from(["member", "num_members", "plain model", "norms"]),

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: each xdist worker runs the subprocess
+    fcntl = None
 import os
 import subprocess
 import sys
@@ -154,8 +159,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def sharded_runs():
+def _run_script():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -173,6 +177,28 @@ def sharded_runs():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-2000:]
     return json.loads(lines[0].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """The subprocess's results, computed once per test session.
+
+    Under pytest-xdist every worker that runs one of these tests would start
+    the subprocess (half a minute of compiling) for itself: the first computes
+    and leaves the JSON in the session's shared temporary directory, the
+    others wait on a file lock and read it.
+    """
+    if fcntl is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_script()
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, not a worker's
+    path = shared / "sharded_runs.json"
+    with open(shared / "sharded_runs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        runs = _run_script()
+        path.write_text(json.dumps(runs))
+        return runs
 
 
 def _activation_gathers(run):
@@ -310,15 +336,23 @@ def test_row_formulation_matches_member_formulation(leading, use_bias):
         return jnp.sum(jnp.sin(formulation(x, kernel, r, s, bias, **options)))
 
     args = (x, kernel, r, s, bias)
-    by_row = dense._dense_by_row(*args, **options)
-    by_member = dense_xla.dense_by_member(*args, **options)
+    argnums = (0, 1, 2, 3) + ((4,) if use_bias else ())
+
+    # One compiled program for both formulations, values and gradients (op
+    # by op, each new shape compiled every primitive of both gradients).
+    @jax.jit
+    def both(*args):
+        return [
+            (
+                formulation(*args, **options),
+                jax.grad(functools.partial(loss, formulation), argnums)(*args),
+            )
+            for formulation in (dense._dense_by_row, dense_xla.dense_by_member)
+        ]
+
+    (by_row, grads_row), (by_member, grads_member) = both(*args)
     assert by_row.shape == (num_members * batch, *leading, out_features)
     np.testing.assert_allclose(by_row, by_member, rtol=1e-5, atol=1e-5)
-    argnums = (0, 1, 2, 3) + ((4,) if use_bias else ())
-    grads_row = jax.grad(functools.partial(loss, dense._dense_by_row), argnums)(*args)
-    grads_member = jax.grad(
-        functools.partial(loss, dense_xla.dense_by_member), argnums
-    )(*args)
     for g_row, g_member in zip(grads_row, grads_member, strict=True):
         np.testing.assert_allclose(g_row, g_member, rtol=1e-4, atol=1e-4)
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 import ensembles
 from ensembles import BatchEnsembleEinsum, FastWeight, initializers
+from tests.covering import covering
 from tests.ops.test_einsum import (
     CONFIGS,
     fast_weight_shapes,
@@ -78,10 +79,22 @@ def split_members(y, axis, num_members):
     return jnp.split(y, num_members, axis=axis)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize(
-    "dtype, num_members", [(jnp.float32, 1), (jnp.float32, 3), (jnp.bfloat16, 3)]
+# Each configuration once, the three (dtype, E) variants in turn: 13 of the 39
+# combinations; every variant runs on four or five configurations, and the
+# float32 ones run eagerly too (nine configurations).
+FORWARD_VARIANTS = [(jnp.float32, 1), (jnp.float32, 3), (jnp.bfloat16, 3)]
+FORWARD_CASES = covering(
+    {
+        "dtype": [jnp.float32, jnp.bfloat16],
+        "num_members": [1, 3],
+        "name": list(CONFIGS),
+    },
+    [(*FORWARD_VARIANTS[i % 3], name) for i, name in enumerate(CONFIGS)],
+    pairs=[],
 )
+
+
+@pytest.mark.parametrize("dtype, num_members, name", FORWARD_CASES)
 def test_forward_matches_flax_einsum_per_member(name, dtype, num_members):
     layer = make_layer(name, num_members, dtype=dtype, param_dtype=dtype)
     x = ensembles.tile(member_input(name, dtype=dtype), num_members)
@@ -222,8 +235,20 @@ class TestViewsAndExtract:
 
 
 class TestFromEinsum:
-    @pytest.mark.parametrize("name", list(CONFIGS))
-    @pytest.mark.parametrize("use_bias", [True, False])
+    # Every configuration with its bias (whose shape each configuration sets);
+    # without one on three of them: 16 of the 26 combinations.
+    @pytest.mark.parametrize(
+        "use_bias, name",
+        covering(
+            {"use_bias": [True, False], "name": list(CONFIGS)},
+            [(True, name) for name in CONFIGS]
+            + [
+                (False, name)
+                for name in ("gemma_out", "member_not_first", "kernel_all_contracted")
+            ],
+            pairs=[],
+        ),
+    )
     def test_ones_reproduce_the_original_for_every_member(self, name, use_bias):
         original = make_flax(name, use_bias)
         layer = BatchEnsembleEinsum.from_einsum(

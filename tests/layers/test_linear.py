@@ -8,6 +8,7 @@ from flax import nnx
 import ensembles
 from ensembles import BatchEnsembleLinear, FastWeight, initializers
 from ensembles.layers.sharding import member_axis_metadata
+from tests.covering import covering
 from tests.reference import assert_trees_equal, dense_reference
 from tests.tolerances import assert_close
 
@@ -40,10 +41,30 @@ def make_layer(num_members=3, in_features=6, out_features=4, **kwargs):
     )
 
 
-@pytest.mark.parametrize("rank", [2, 3, 4])
-@pytest.mark.parametrize("num_members", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("jit", [False, True])
+# Every rank, E, dtype and eager/jit, and every pair of their values: 9 of the
+# 36 combinations (tests/covering.py checks the claim).
+FORWARD_CASES = covering(
+    {
+        "jit": [False, True],
+        "dtype": [jnp.float32, jnp.bfloat16],
+        "num_members": [1, 2, 5],
+        "rank": [2, 3, 4],
+    },
+    [
+        (False, jnp.float32, 1, 2),
+        (True, jnp.bfloat16, 2, 2),
+        (True, jnp.float32, 5, 2),
+        (True, jnp.bfloat16, 1, 3),
+        (False, jnp.float32, 2, 3),
+        (False, jnp.bfloat16, 5, 3),
+        (False, jnp.bfloat16, 1, 4),
+        (True, jnp.float32, 2, 4),
+        (True, jnp.bfloat16, 5, 4),
+    ],
+)
+
+
+@pytest.mark.parametrize("jit, dtype, num_members, rank", FORWARD_CASES)
 def test_forward_matches_flax_linear_per_member(rank, num_members, dtype, jit):
     layer = make_layer(
         num_members,

@@ -24,6 +24,7 @@ from ensembles.ops.autodiff import Needs
 from ensembles.ops.conv_xla import ConvConfig, channels_last_dimension_numbers
 from ensembles.ops.cost import KERNELS_MEASURED
 from ensembles.ops.plan import choose_conv_backward as choose
+from tests.covering import covering
 from tests.jaxprs import equations
 from tests.reference import conv_effective_kernel, cotangent_loss, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -251,9 +252,31 @@ SWEEP = {
 }
 
 
-@pytest.mark.parametrize("needs", ["first_layer", "all"])
-@pytest.mark.parametrize("params", ["activations", "kernels"])
-@pytest.mark.parametrize("case", list(SWEEP.values()), ids=list(SWEEP))
+# Each case with both forced formulations, one of them for a first layer and
+# the other for a hidden layer, swapped from case to case: every case runs both
+# formulations and both layers, every (formulation, layer) pair runs on four or
+# five cases. 18 of the 36 combinations.
+SWEEP_CASES = covering(
+    {
+        "case": list(SWEEP),
+        "params": ["activations", "kernels"],
+        "needs": ["first_layer", "all"],
+    },
+    [
+        (name, params, ["first_layer", "all"][(i + j) % 2])
+        for i, name in enumerate(SWEEP)
+        for j, params in enumerate(["activations", "kernels"])
+    ],
+)
+
+
+@pytest.mark.parametrize(
+    "case, params, needs",
+    [
+        pytest.param(SWEEP[name], params, needs, id=f"{name}-{params}-{needs}")
+        for name, params, needs in SWEEP_CASES
+    ],
+)
 def test_shapes_options_members_jit(case, params, needs):
     _check(case, NEEDS[needs], params)
 
@@ -288,10 +311,31 @@ PUBLIC = {
 }
 
 
+# Each value-copying padding (circular, reflect, causal) for a hidden layer
+# (all gradients: the padding's own transpose) and for a first layer, on two
+# different cases each: 6 of the 12 combinations.
+PUBLIC_NEEDS = {
+    "2d_circular": "all",
+    "2d_reflect_bf16": "all",
+    "2d_circular_dilated_E5": "first_layer",
+    "1d_reflect_strides2": "first_layer",
+    "1d_causal": "all",
+    "1d_causal_dilated_grouped": "first_layer",
+}
+PUBLIC_ARGNUMS = {"all": (0, 1, 2, 3, 4), "first_layer": (1, 2, 3, 4)}
+assert set(PUBLIC_NEEDS) == set(PUBLIC)
+assert {(PUBLIC[name].padding, needs) for name, needs in PUBLIC_NEEDS.items()} == {
+    (p, n) for p in ("CIRCULAR", "REFLECT", "CAUSAL") for n in PUBLIC_ARGNUMS
+}
+
+
 @pytest.mark.parametrize(
-    "argnums", [(0, 1, 2, 3, 4), (1, 2, 3, 4)], ids=["all", "first_layer"]
+    "case, argnums",
+    [
+        pytest.param(PUBLIC[name], PUBLIC_ARGNUMS[needs], id=f"{name}-{needs}")
+        for name, needs in PUBLIC_NEEDS.items()
+    ],
 )
-@pytest.mark.parametrize("case", list(PUBLIC.values()), ids=list(PUBLIC))
 def test_through_batch_ensemble_conv(case, argnums):
     """``impl="xla"`` with value-copying padding and a bias: same rule."""
     args = _args(case)

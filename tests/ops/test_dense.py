@@ -7,17 +7,40 @@ from hypothesis import strategies as st
 
 from ensembles.ops import batch_ensemble_dense
 from ensembles.ops.plan import IMPLS, resolve_impl
+from tests.covering import covering
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close
 
 MIDDLE_SHAPES = {2: (), 3: (3,), 4: (2, 3)}
 
 
-@pytest.mark.parametrize("rank", [2, 3, 4])
-@pytest.mark.parametrize("num_members", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("use_bias", [True, False])
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# Every rank, E, dtype, eager/jit and bias/no bias, and every pair of their
+# values: 9 of the 72 combinations (tests/covering.py checks the claim).
+FORWARD_CASES = covering(
+    {
+        "use_bias": [True, False],
+        "jit": [False, True],
+        "dtype": [F32, BF16],
+        "num_members": [1, 2, 5],
+        "rank": [2, 3, 4],
+    },
+    [
+        (True, False, F32, 1, 2),
+        (False, False, BF16, 2, 2),
+        (False, True, BF16, 5, 2),
+        (True, False, F32, 1, 3),
+        (False, True, F32, 2, 3),
+        (False, False, BF16, 5, 3),
+        (False, True, BF16, 1, 4),
+        (True, True, BF16, 2, 4),
+        (True, False, F32, 5, 4),
+    ],
+)
+
+
+@pytest.mark.parametrize("use_bias, jit, dtype, num_members, rank", FORWARD_CASES)
 def test_forward_matches_per_member_loop(rank, num_members, dtype, jit, use_bias):
     args = make_args(
         rank * 10 + num_members,
@@ -38,9 +61,24 @@ def test_forward_matches_per_member_loop(rank, num_members, dtype, jit, use_bias
     assert_close(y, dense_reference(*args, num_members), dtype, scale=4)
 
 
-@pytest.mark.parametrize("rank", [2, 3, 4])
-@pytest.mark.parametrize("num_members", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# Every rank x E, each dtype with every rank and every E: 9 of 18.
+GRADIENT_CASES = covering(
+    {"dtype": [F32, BF16], "num_members": [1, 2, 5], "rank": [2, 3, 4]},
+    [
+        (F32, 1, 2),
+        (BF16, 2, 2),
+        (BF16, 5, 2),
+        (F32, 1, 3),
+        (F32, 2, 3),
+        (BF16, 5, 3),
+        (BF16, 1, 4),
+        (BF16, 2, 4),
+        (F32, 5, 4),
+    ],
+)
+
+
+@pytest.mark.parametrize("dtype, num_members, rank", GRADIENT_CASES)
 def test_gradients_match_per_member_loop(rank, num_members, dtype):
     args = make_args(7, num_members, 2, MIDDLE_SHAPES[rank], 6, 4, dtype)
     cotangent = jnp.asarray(

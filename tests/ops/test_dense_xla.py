@@ -19,6 +19,7 @@ from ensembles.ops import batch_ensemble_dense, dense_xla
 from ensembles.ops.autodiff import PARAM_GRADIENTS, Needs
 from ensembles.ops.cost import COST_MODELS
 from ensembles.ops.plan import FORWARDS, Formulation, choose, estimate, kernels_fit
+from tests.covering import covering
 from tests.jaxprs import equations
 from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -128,15 +129,18 @@ def _check(case, argnums, formulation, jit=False, primal=True):
 
 
 # The full formulation x needs grid at one shape (E=2, B=3, middle (3,), in=7,
-# out=5), jitted. The mixed dtypes run the formulations whose "fold" must fall
-# back to "scale" (and the cost model's choice); the two extra needs at f32.
+# out=5), jitted, in float32. bfloat16 runs every formulation for the subsets
+# whose reductions (dr, ds) or fallbacks differ, as the conv op's grid does; the
+# mixed dtypes the formulations whose "fold" must fall back to "scale" (and the
+# cost model's choice), for the same subsets.
+LOW_PRECISION_NEEDS = ("first_layer", "all", "r", "s")
 GRID = [
     pytest.param(formulation, needs, dtype, id=f"{fid}-{needs}-{dtype}")
     for dtype in DTYPES
     for formulation, fid in zip(FORMULATIONS, FORMULATION_IDS, strict=True)
     for needs in NEEDS
     if (dtype != "mixed" or fid in ("auto", "fold-activations", "fold-kernels"))
-    and (dtype == "f32" or needs not in ("inputs_s", "r_s"))
+    and (dtype == "f32" or needs in LOW_PRECISION_NEEDS)
 ]
 
 
@@ -171,13 +175,36 @@ def test_shapes_members_ragged_eager(rank, num_members, batch):
     _check(_sweep_case(rank, num_members, batch), NEEDS["all"], None, jit=False)
 
 
-@pytest.mark.parametrize(
-    "formulation",
-    [Formulation("scale", "activations"), Formulation("fold", "kernels")],
-    ids=["scale-activations", "fold-kernels"],
+FORCED = {
+    "scale-activations": Formulation("scale", "activations"),
+    "fold-kernels": Formulation("fold", "kernels"),
+}
+# Each shape with both forced formulations, one for a first layer and the other
+# for a hidden layer, swapped from shape to shape: 6 of the 12 combinations,
+# every pair of values of two of the three axes included.
+FORCED_CASES = covering(
+    {
+        "needs": ["first_layer", "all"],
+        "shape": [(2, 5), (3, 1), (4, 2)],
+        "formulation": list(FORCED),
+    },
+    [
+        (["first_layer", "all"][(i + j) % 2], shape, name)
+        for i, shape in enumerate([(2, 5), (3, 1), (4, 2)])
+        for j, name in enumerate(FORCED)
+    ],
 )
-@pytest.mark.parametrize("rank, num_members", [(2, 5), (3, 1), (4, 2)])
-@pytest.mark.parametrize("needs", ["first_layer", "all"])
+
+
+@pytest.mark.parametrize(
+    "needs, rank, num_members, formulation",
+    [
+        pytest.param(
+            needs, *shape, FORCED[name], id=f"{needs}-{shape[0]}-{shape[1]}-{name}"
+        )
+        for needs, shape, name in FORCED_CASES
+    ],
+)
 def test_forced_formulations_other_shapes(formulation, rank, num_members, needs):
     _check(_sweep_case(rank, num_members, 7), NEEDS[needs], formulation, jit=True)
 

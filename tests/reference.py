@@ -13,6 +13,24 @@ from flax import nnx
 from jax import lax
 
 
+def numpy_normal(stddev=1.0, mean=0.0):
+    """A normal initializer that draws with numpy, seeded by its key.
+
+    ``jax.random.normal`` compiles anew for every shape it draws (most of what
+    a small layer test costs on a CPU); tests that only need some random
+    weights, not the library's or Flax's initializers, take these instead. Two
+    keys still give two draws.
+    """
+
+    def init(key, shape, dtype=jnp.float32):
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        rng = np.random.default_rng(np.asarray(key, np.uint32).ravel().tolist())
+        return jnp.asarray(mean + stddev * rng.standard_normal(shape), dtype)
+
+    return init
+
+
 def effective_kernel(kernel, r, s, k):
     return kernel * jnp.outer(r[k], s[k])
 

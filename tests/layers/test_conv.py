@@ -22,6 +22,7 @@ from tests.reference import (
     assert_trees_equal,
     conv_effective_kernel,
     flax_member_outputs,
+    numpy_normal,
     snapshot,
 )
 from tests.tolerances import assert_close
@@ -184,8 +185,8 @@ def make_layer(options, transpose, dtype=jnp.float32, num_members=NUM_MEMBERS):
         num_members=num_members,
         dtype=dtype,
         param_dtype=dtype,
-        kernel_init=nnx.initializers.normal(1.0),
-        bias_init=nnx.initializers.normal(1.0),
+        kernel_init=numpy_normal(1.0),
+        bias_init=numpy_normal(1.0),
         rngs=nnx.Rngs(0),
         **options,
     )
@@ -488,6 +489,7 @@ def flax_layer(options, transpose, **overrides):
     out_features = options.pop("out_features")
     kernel_size = options.pop("kernel_size")
     cls = nnx.ConvTranspose if transpose else nnx.Conv
+    options.setdefault("kernel_init", numpy_normal(0.2))  # ~ lecun_normal here
     layer = cls(4, out_features, kernel_size, rngs=nnx.Rngs(3), **options)
     if layer.bias is not None:
         layer.bias[...] = random_array(4, layer.bias.shape, layer.param_dtype)

@@ -12,6 +12,7 @@ from tests.reference import (
     assert_trees_equal,
     flax_rows_reference,
     general_effective_kernel,
+    numpy_normal,
 )
 from tests.tolerances import assert_close
 
@@ -36,7 +37,14 @@ def random_input(seed, shape, dtype=jnp.float32):
 
 def make_layer(config="attention_qkv", num_members=3, **kwargs):
     in_features, out_features, config_kwargs, _ = CONFIGS[config]
-    kwargs = {"bias_init": nnx.initializers.normal(1.0), **config_kwargs, **kwargs}
+    # Drawn with numpy: jax.random would compile for each configuration's shapes
+    # (the default initializers have tests of their own).
+    kwargs = {
+        "kernel_init": numpy_normal(0.5),
+        "bias_init": numpy_normal(1.0),
+        **config_kwargs,
+        **kwargs,
+    }
     return BatchEnsembleLinearGeneral(
         in_features,
         out_features,

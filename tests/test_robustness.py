@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import ensembles
 from ensembles import uncertainty
-from tests.reference import assert_same, snapshot
+from tests.reference import assert_same, numpy_normal, snapshot
 
 # Every new shape compiles the functions under test again (about 1 s for the
 # six uncertainty scores), which is what an example costs: 10 random ones per
@@ -85,11 +85,23 @@ def broken_logits(draw):
     return logits, broken
 
 
-def call(name, logits, labels=None, jit=False):
-    fn = getattr(uncertainty, name)
+def call(names, logits, labels=None, jit=False):
+    """``{name: result}`` of the uncertainty functions ``names``, as numpy.
+
+    Under ``jit`` one program computes them all (each function traced inside
+    it): one compile per shape rather than one per function.
+    """
+
+    def run(logits, labels):
+        fns = {name: getattr(uncertainty, name) for name in names}
+        return {
+            name: fn(logits) if labels is None else fn(logits, labels)
+            for name, fn in fns.items()
+        }
+
     if jit:
-        fn = jax.jit(fn)
-    return np.asarray(fn(logits) if labels is None else fn(logits, labels))
+        run = jax.jit(run)
+    return {name: np.asarray(value) for name, value in run(logits, labels).items()}
 
 
 # ------------------------------------------------------------ uncertainty: NaN
@@ -99,14 +111,17 @@ def call(name, logits, labels=None, jit=False):
 @given(case=broken_logits(), jit=st.booleans())
 def test_per_example_scores_contain_broken_examples(case, jit):
     logits, broken = case
+    all_scores = call(PER_EXAMPLE, jnp.asarray(logits), jit=jit)
+    if (~broken).any():
+        all_alone = call(PER_EXAMPLE, jnp.asarray(logits[:, ~broken]), jit=jit)
     for name in PER_EXAMPLE:
-        scores = call(name, jnp.asarray(logits), jit=jit)
+        scores = all_scores[name]
         # Only the broken examples are NaN, entirely.
         assert np.isnan(scores[broken]).all(), name
         assert np.isfinite(scores[~broken]).all(), name
         # The others score as if the broken ones were not there at all.
         if (~broken).any():
-            alone = call(name, jnp.asarray(logits[:, ~broken]), jit=jit)
+            alone = all_alone[name]
             np.testing.assert_allclose(scores[~broken], alone, rtol=1e-6, atol=1e-7)
 
 
@@ -115,8 +130,9 @@ def test_per_example_scores_contain_broken_examples(case, jit):
 def test_metrics_are_nan_if_any_example_is_broken(case, jit, seed):
     logits, broken = case
     labels = np.random.default_rng(seed).integers(0, logits.shape[-1], logits.shape[1])
+    values = call(AGGREGATES, jnp.asarray(logits), jnp.asarray(labels), jit=jit)
     for name in AGGREGATES:
-        value = call(name, jnp.asarray(logits), jnp.asarray(labels), jit=jit)
+        value = values[name]
         if broken.any():
             assert np.isnan(value), (name, value)
         else:
@@ -134,9 +150,10 @@ def test_out_of_range_labels_raise_eagerly_and_poison_under_jit(case, seed, offs
     labels[bad] = num_classes - 1 + offset if rng.random() < 0.5 else -offset
     for name in AGGREGATES:
         with pytest.raises(ValueError, match=r"`labels` must lie in \[0, C\)"):
-            call(name, jnp.asarray(logits), jnp.asarray(labels))
-        value = call(name, jnp.asarray(logits), jnp.asarray(labels), jit=True)
-        assert np.isnan(value), (name, value)
+            call([name], jnp.asarray(logits), jnp.asarray(labels))
+    values = call(AGGREGATES, jnp.asarray(logits), jnp.asarray(labels), jit=True)
+    for name in AGGREGATES:
+        assert np.isnan(values[name]), (name, values[name])
 
 
 @SETTINGS
@@ -176,29 +193,64 @@ def test_masked_logits_still_have_nan_free_gradients():
 # ------------------------------------------------ layers: member independence
 
 
+# Weights drawn with numpy: every example has new shapes, for which jax.random
+# would compile again (the values do not matter here, only that they are not
+# special).
+DENSE_INITS = {
+    "kernel_init": numpy_normal(),
+    "r_init": numpy_normal(0.5, mean=1.0),
+    "s_init": numpy_normal(0.5, mean=1.0),
+}
+NORM_INITS = {"scale_init": numpy_normal(0.5, mean=1.0)}
+
+
 def make_layer(kind, num_members, features, rngs):
     if kind == "linear":
         return ensembles.BatchEnsembleLinear(
-            features, 3, num_members=num_members, impl="xla", rngs=rngs
+            features, 3, num_members=num_members, impl="xla", rngs=rngs, **DENSE_INITS
         )
     if kind == "linear_general":
         return ensembles.BatchEnsembleLinearGeneral(
-            features, (2, 2), num_members=num_members, impl="xla", rngs=rngs
+            features,
+            (2, 2),
+            num_members=num_members,
+            impl="xla",
+            rngs=rngs,
+            **DENSE_INITS,
         )
     if kind == "conv":
         return ensembles.BatchEnsembleConv(
-            features, 3, (2,), num_members=num_members, impl="xla", rngs=rngs
+            features,
+            3,
+            (2,),
+            num_members=num_members,
+            impl="xla",
+            rngs=rngs,
+            **DENSE_INITS,
         )
     if kind == "einsum":
         return ensembles.BatchEnsembleEinsum(
-            "btf,fo->bto", (features, 3), (3,), num_members=num_members, rngs=rngs
+            "btf,fo->bto",
+            (features, 3),
+            (3,),
+            num_members=num_members,
+            rngs=rngs,
+            **DENSE_INITS,
         )
     if kind == "layer_norm":
-        return ensembles.EnsembleLayerNorm(features, num_members=num_members, rngs=rngs)
+        return ensembles.EnsembleLayerNorm(
+            features, num_members=num_members, rngs=rngs, **NORM_INITS
+        )
     if kind == "rms_norm":
-        return ensembles.EnsembleRMSNorm(features, num_members=num_members, rngs=rngs)
+        return ensembles.EnsembleRMSNorm(
+            features, num_members=num_members, rngs=rngs, **NORM_INITS
+        )
     return ensembles.EnsembleBatchNorm(
-        features, num_members=num_members, use_running_average=False, rngs=rngs
+        features,
+        num_members=num_members,
+        use_running_average=False,
+        rngs=rngs,
+        **NORM_INITS,
     )
 
 

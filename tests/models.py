@@ -6,8 +6,11 @@ import numpy as np
 from flax import nnx
 
 from ensembles import initializers
+from tests.reference import numpy_normal
 
 ONES = {"r_init": initializers.ones(), "s_init": initializers.ones()}
+# The models' kernels, drawn with numpy (jax.random would compile per shape).
+KERNEL = numpy_normal(0.3)
 
 
 def random_input(seed, shape, dtype=jnp.float32):
@@ -18,10 +21,12 @@ class MLP(nnx.Module):
     """Attributes, an nnx.List, an nnx.Dict and one submodule used twice."""
 
     def __init__(self, rngs):
-        self.inp = nnx.Linear(4, 8, rngs=rngs)
-        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
-        self.shared = nnx.Linear(8, 8, rngs=rngs)
-        self.heads = nnx.Dict(out=nnx.Linear(8, 3, rngs=rngs))
+        self.inp = nnx.Linear(4, 8, kernel_init=KERNEL, rngs=rngs)
+        self.blocks = nnx.List(
+            [nnx.Linear(8, 8, kernel_init=KERNEL, rngs=rngs) for _ in range(2)]
+        )
+        self.shared = nnx.Linear(8, 8, kernel_init=KERNEL, rngs=rngs)
+        self.heads = nnx.Dict(out=nnx.Linear(8, 3, kernel_init=KERNEL, rngs=rngs))
 
     def __call__(self, x):
         x = nnx.relu(self.inp(x))
@@ -43,11 +48,11 @@ class CNN(nnx.Module):
     """Conv + BatchNorm + pooling + Linear head."""
 
     def __init__(self, rngs):
-        self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.conv1 = nnx.Conv(3, 8, (3, 3), kernel_init=KERNEL, rngs=rngs)
         self.bn1 = nnx.BatchNorm(8, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, kernel_init=KERNEL, rngs=rngs)
         self.bn2 = nnx.BatchNorm(8, rngs=rngs)
-        self.head = nnx.Linear(8, 5, rngs=rngs)
+        self.head = nnx.Linear(8, 5, kernel_init=KERNEL, rngs=rngs)
 
     def __call__(self, x):
         x = nnx.relu(self.bn1(self.conv1(x)))
@@ -62,13 +67,18 @@ class TransformerBlock(nnx.Module):
     def __init__(self, rngs, features=8, heads=2):
         self.norm1 = nnx.LayerNorm(features, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
-            heads, features, decode=False, deterministic=True, rngs=rngs
+            heads,
+            features,
+            decode=False,
+            deterministic=True,
+            kernel_init=KERNEL,
+            rngs=rngs,
         )
         self.norm2 = nnx.LayerNorm(features, rngs=rngs)
         self.mlp = nnx.Sequential(
-            nnx.Linear(features, 16, rngs=rngs),
+            nnx.Linear(features, 16, kernel_init=KERNEL, rngs=rngs),
             nnx.gelu,
-            nnx.Linear(16, features, rngs=rngs),
+            nnx.Linear(16, features, kernel_init=KERNEL, rngs=rngs),
         )
 
     def __call__(self, x):

@@ -187,6 +187,8 @@ def make_layer(options, transpose, dtype=jnp.float32, num_members=NUM_MEMBERS):
         param_dtype=dtype,
         kernel_init=numpy_normal(1.0),
         bias_init=numpy_normal(1.0),
+        r_init=numpy_normal(0.5, 1.0),
+        s_init=numpy_normal(0.5, 1.0),
         rngs=nnx.Rngs(0),
         **options,
     )

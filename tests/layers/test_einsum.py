@@ -29,6 +29,7 @@ ONES = {"r_init": initializers.ones(), "s_init": initializers.ones()}
 # Flax's default lecun_normal needs a kernel of rank >= 2. Drawn with numpy:
 # jax.random would compile for each of the configurations' shapes.
 INITS = {"kernel_init": numpy_normal(1.0), "bias_init": numpy_normal(1.0)}
+FAST_WEIGHTS = {"r_init": numpy_normal(0.5, 1.0), "s_init": numpy_normal(0.5, 1.0)}
 
 
 def random_input(seed, shape, dtype=jnp.float32):
@@ -37,7 +38,7 @@ def random_input(seed, shape, dtype=jnp.float32):
 
 def make_layer(name, num_members=3, use_bias=True, **kwargs):
     einsum_str, kernel_shape, bias_shape, _ = CONFIGS[name]
-    kwargs = {**INITS, **kwargs}
+    kwargs = {**INITS, **FAST_WEIGHTS, **kwargs}
     return BatchEnsembleEinsum(
         einsum_str,
         kernel_shape,

@@ -42,6 +42,8 @@ def make_layer(config="attention_qkv", num_members=3, **kwargs):
     kwargs = {
         "kernel_init": numpy_normal(0.5),
         "bias_init": numpy_normal(1.0),
+        "r_init": numpy_normal(0.5, 1.0),
+        "s_init": numpy_normal(0.5, 1.0),
         **config_kwargs,
         **kwargs,
     }

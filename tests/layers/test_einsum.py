@@ -32,6 +32,9 @@ INITS = {"kernel_init": numpy_normal(1.0), "bias_init": numpy_normal(1.0)}
 FAST_WEIGHTS = {"r_init": numpy_normal(0.5, 1.0), "s_init": numpy_normal(0.5, 1.0)}
 
 
+apply = nnx.jit(lambda module, x: module(x))
+
+
 def random_input(seed, shape, dtype=jnp.float32):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
@@ -262,7 +265,8 @@ class TestFromEinsum:
         x = member_input(name)
         axis = member_axis(CONFIGS[name][0], x.ndim)
         expected = original(x)
-        for y in split_members(layer(ensembles.tile(x, 3)), axis, 3):
+        # Jitted: the eager layer runs in test_forward_matches_flax_einsum_per_member.
+        for y in split_members(apply(layer, ensembles.tile(x, 3)), axis, 3):
             assert_close(y, expected)
         np.testing.assert_array_equal(layer.kernel[...], original.kernel[...])
         assert (layer.bias is None) is not use_bias

@@ -144,9 +144,9 @@ def test_impl_choices_are_the_ops():
 
 
 # Every method on every model forward (one compiled program each, shared with
-# the tests below through `_forward`); trained, every method on the MLP and
-# two on each other model (each compiles its own training step, which the
-# model does not change): 20 of the 24 combinations, every pair of axes covered.
+# the tests below through `_forward`). Trained (each case compiles a training
+# step of its own): every method on the MLP, two methods on each other model.
+# 20 of the 24 combinations, every pair of values of any two axes covered.
 RUN_CASES = covering(
     {"model": MODELS, "method": list(METHODS), "mode": list(MODES)},
     [(model, method, "forward") for model in MODELS for method in METHODS]

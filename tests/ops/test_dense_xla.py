@@ -181,7 +181,7 @@ FORCED = {
 }
 # Each shape with both forced formulations, one for a first layer and the other
 # for a hidden layer, swapped from shape to shape: 6 of the 12 combinations,
-# every pair of values of two of the three axes included.
+# every pair of values of any two of the three axes included.
 FORCED_CASES = covering(
     {
         "needs": ["first_layer", "all"],

@@ -26,13 +26,13 @@ import ensembles
 from ensembles import uncertainty
 from tests.reference import assert_same, numpy_normal, snapshot
 
-# Every new shape compiles the functions under test again (about 1 s for the
-# six uncertainty scores), which is what an example costs: 10 random ones per
-# property. The layer properties add one explicit example per layer kind
-# (`@example`), so that each kind is tested whatever hypothesis draws.
+# Every new shape compiles the functions under test again, which is most of
+# what an example costs: 10 random ones per property (20 before). The layer
+# properties take 5 random examples plus one explicit example per layer kind
+# (`each_kind`), so that every kind is tested whatever hypothesis draws (15
+# random ones before). The cheap properties (fixed shapes) keep their 15.
 SETTINGS = settings(max_examples=10, deadline=None)
 SMALL = settings(max_examples=5, deadline=None)
-# Properties that compile nothing new per example keep their 15.
 CHEAP = settings(max_examples=15, deadline=None)
 
 PER_EXAMPLE = [

@@ -39,7 +39,6 @@ _COLUMNS = (
     "samples/s",
     "x single",
     "vs deep",
-    "vs loop",
     "params",
     "/deep",
     "memory MiB",
@@ -56,8 +55,7 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
         f"±{100 * spread:.0f}%",
         _count(row["samples_per_s"]),
         f"{row['ratio_to_single']:.2f}",
-        f"{row['speedup_vs_deep_ensemble']:.2f}x",
-        f"{row['speedup_vs_deep_ensemble_loop']:.2f}x",
+        f"{row['speedup_vs_best_deep_ensemble']:.2f}x",
         _count(row["params"]),
         f"{100 * row['params_ratio_to_deep_ensemble']:.0f}%",
         _megabytes(row["total_bytes"]),
@@ -73,9 +71,17 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     return groups
 
 
-def _title(key: tuple) -> str:
+def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
     model, mode, batch, width, impl = key
-    return f"{model} {mode}: B={batch} per member, width {width}, impl={impl}"
+    title = f"{model} {mode}: B={batch} per member, width {width}, impl={impl}"
+    if group:
+        best = {row["members"]: row["best_deep_ensemble"] for row in group}
+        named = ", ".join(
+            f"E={e}: {'vmap' if b == 'deep_ensemble' else 'loop'}"
+            for e, b in best.items()
+        )
+        title += f"; 'vs deep' and '/deep' against the faster deep ensemble ({named})"
+    return title
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
@@ -98,7 +104,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
             )
             for line in cells
         ]
-        blocks.append("\n".join([_title(key), *lines]))
+        blocks.append("\n".join([_title(key, group), *lines]))
     return "\n\n".join(blocks)
 
 
@@ -114,10 +120,12 @@ def _format_markdown(rows: list[dict[str, Any]]) -> str:
     blocks = []
     for key, group in _groups(rows).items():
         lines = [
-            f"**{_title(key)}**",
+            f"**{_title(key, group)}**",
             "",
             "| " + " | ".join(_COLUMNS) + " |",
-            "|" + "|".join("---:" if i != 1 else ":---" for i in range(12)) + "|",
+            "|"
+            + "|".join("---:" if i != 1 else ":---" for i in range(len(_COLUMNS)))
+            + "|",
             *("| " + " | ".join(_cells(row)) + " |" for row in group),
         ]
         blocks.append("\n".join(lines))

@@ -1,8 +1,10 @@
 """Interleaved timing: machine drift hits every method alike.
 
 Each round runs every function once, in turn, so a slow stretch of a shared
-machine slows all methods of that round; ratios are taken per round
-(:func:`paired_ratio`) and then summarized by their median.
+machine slows all methods of that round alike. ``ensembles-bench`` reports the
+median of each method and ratios of those medians, so every ratio it prints
+agrees with the times it prints; :func:`paired_ratio` (the median of per-round
+ratios, more robust to drift) is there for scripts that want it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from ensembles._checks import (
     check_positive_int,
 )
 from ensembles.ops.autodiff import static_precision
-from ensembles.ops.conv_xla import ConvConfig, conv_by_member
+from ensembles.ops.conv_xla import ConvConfig, conv_by_member, effective_kernel
 from ensembles.ops.plan import CONV_IMPLS, check_impl
 
 __all__ = [
@@ -57,52 +57,6 @@ __all__ = [
 
 IntOrSequence = int | Sequence[int] | None
 PaddingLike = str | int | Sequence[int | tuple[int, int]]
-
-
-def effective_kernel(
-    kernel: jax.Array,
-    r: jax.Array,
-    s: jax.Array,
-    *,
-    feature_group_count: int = 1,
-    transpose_kernel: bool = False,
-) -> jax.Array:
-    """Returns one member's effective kernel ``kernel * (r (x) s)``.
-
-    For a grouped convolution (kernel ``[*kernel_size, in/G, out]``) output
-    channel ``o`` sees the input channels of its group only, so ``r`` is read
-    per group. For a transposed convolution with ``transpose_kernel=True`` the
-    kernel is ``[*kernel_size, out, in]``.
-
-    >>> import jax.numpy as jnp
-    >>> kernel = jnp.ones((1, 2, 4))            # kernel_size 1, in/G = 2, out = 4
-    >>> r = jnp.array([1.0, 2.0, 3.0, 4.0])     # in = 4
-    >>> s = jnp.ones(4)
-    >>> effective_kernel(kernel, r, s, feature_group_count=2)[0]
-    Array([[1., 1., 3., 3.],
-           [2., 2., 4., 4.]], dtype=float32)
-
-    Args:
-      kernel: the shared kernel, in Flax's layout.
-      r: ``[in_features]`` input fast weights of the member.
-      s: ``[out_features]`` output fast weights of the member.
-      feature_group_count: the number of feature groups G (convolution only).
-      transpose_kernel: whether ``kernel`` is ``[*kernel_size, out, in]``.
-
-    Returns:
-      An array of ``kernel``'s shape and dtype.
-    """
-    if transpose_kernel:
-        scale = jnp.outer(s, r)
-    else:
-        groups = feature_group_count
-        in_per_group = r.shape[0] // groups
-        out_per_group = s.shape[0] // groups
-        # [in/G, out]: column o holds r over the input channels of o's group.
-        r_columns = jnp.repeat(r.reshape(groups, in_per_group).T, out_per_group, 1)
-        scale = r_columns * s[None, :]
-    scale = scale.astype(kernel.dtype).reshape((1,) * (kernel.ndim - 2) + scale.shape)
-    return kernel * scale
 
 
 def spatial_tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]:

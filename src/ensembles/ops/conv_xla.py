@@ -51,9 +51,14 @@ from ensembles.ops.autodiff import (
     accumulation_dtype,
     define,
 )
-from ensembles.ops.plan import choose_conv_backward
+from ensembles.ops.plan import FORWARDS, Formulation, choose_conv
 
-__all__ = ["ConvConfig", "channels_last_dimension_numbers", "conv_by_member"]
+__all__ = [
+    "ConvConfig",
+    "channels_last_dimension_numbers",
+    "conv_by_member",
+    "effective_kernel",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +67,9 @@ class ConvConfig:
 
     ``padding`` is what ``lax.conv_general_dilated`` takes: the op has already
     applied the padding modes that copy values (circular, reflect, causal).
-    ``params`` forces a backward formulation (tests, benchmarks); ``None``
-    lets :func:`~ensembles.ops.plan.choose_conv_backward` decide.
+    ``forward`` and ``params`` force a forward or backward formulation
+    (tests, benchmarks); ``None`` lets :func:`~ensembles.ops.plan.choose_conv`
+    decide.
     """
 
     strides: tuple[int, ...]
@@ -74,8 +80,13 @@ class ConvConfig:
     precision: Any
     preferred_element_type: Any
     params: str | None = None
+    forward: str | None = None
 
     def __post_init__(self):
+        if self.forward not in (None, *FORWARDS):
+            raise ValueError(
+                f"`forward` must be None or one of {FORWARDS}, got {self.forward!r}."
+            )
         if self.params not in (None, *PARAM_GRADIENTS):
             raise ValueError(
                 f"`params` must be None or one of {PARAM_GRADIENTS}, got "
@@ -106,6 +117,52 @@ def channels_last_dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
     return lax.ConvDimensionNumbers(lhs, rhs, lhs)
 
 
+def effective_kernel(
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    *,
+    feature_group_count: int = 1,
+    transpose_kernel: bool = False,
+) -> jax.Array:
+    """Returns one member's effective kernel ``kernel * (r (x) s)``.
+
+    For a grouped convolution (kernel ``[*kernel_size, in/G, out]``) output
+    channel ``o`` sees the input channels of its group only, so ``r`` is read
+    per group. For a transposed convolution with ``transpose_kernel=True`` the
+    kernel is ``[*kernel_size, out, in]``.
+
+    >>> import jax.numpy as jnp
+    >>> kernel = jnp.ones((1, 2, 4))            # kernel_size 1, in/G = 2, out = 4
+    >>> r = jnp.array([1.0, 2.0, 3.0, 4.0])     # in = 4
+    >>> s = jnp.ones(4)
+    >>> effective_kernel(kernel, r, s, feature_group_count=2)[0]
+    Array([[1., 1., 3., 3.],
+           [2., 2., 4., 4.]], dtype=float32)
+
+    Args:
+      kernel: the shared kernel, in Flax's layout.
+      r: ``[in_features]`` input fast weights of the member.
+      s: ``[out_features]`` output fast weights of the member.
+      feature_group_count: the number of feature groups G (convolution only).
+      transpose_kernel: whether ``kernel`` is ``[*kernel_size, out, in]``.
+
+    Returns:
+      An array of ``kernel``'s shape and dtype.
+    """
+    if transpose_kernel:
+        scale = jnp.outer(s, r)
+    else:
+        groups = feature_group_count
+        in_per_group = r.shape[0] // groups
+        out_per_group = s.shape[0] // groups
+        # [in/G, out]: column o holds r over the input channels of o's group.
+        r_columns = jnp.repeat(r.reshape(groups, in_per_group).T, out_per_group, 1)
+        scale = r_columns * s[None, :]
+    scale = scale.astype(kernel.dtype).reshape((1,) * (kernel.ndim - 2) + scale.shape)
+    return kernel * scale
+
+
 def _per_channel(weights, like):
     """``[E, C]`` -> broadcastable against ``[E, N, *spatial, C]`` ``like``."""
     return weights.reshape(weights.shape[0], *(1,) * (like.ndim - 2), -1)
@@ -132,11 +189,25 @@ def _product(x, kernel, r, config: ConvConfig):
     return _members(config.conv(_flat(x * _per_channel(r, x)), kernel), r.shape[0])
 
 
-def _forward(x, kernel, r, s, config: ConvConfig, params: str):
-    """``(y, z)``: the output and the unscaled convolution ``z``."""
-    del params  # one forward formulation
+def _effective_kernels(kernel, r, s, config: ConvConfig):
+    """Every member's kernel ``kernel * (r_k (x) s_k)``, a list of E."""
+    return [
+        effective_kernel(
+            kernel, r[k], s[k], feature_group_count=config.feature_group_count
+        )
+        for k in range(r.shape[0])
+    ]
+
+
+def _forward(x, kernel, r, s, config: ConvConfig, formulation: Formulation):
+    """``(y, z)``: the output and (``"scale"``) the unscaled convolution ``z``."""
+    dtype = _output_dtype(x, kernel, r, s, config)
+    if formulation.forward == "fold":
+        kernels = _effective_kernels(kernel, r, s, config)
+        y = jnp.stack([config.conv(x[k], w) for k, w in enumerate(kernels)])
+        return y.astype(dtype), None
     z = _product(x, kernel, r, config)
-    return (z * _per_channel(s, z)).astype(_output_dtype(x, kernel, r, s, config)), z
+    return (z * _per_channel(s, z)).astype(dtype), z
 
 
 def _tangent(x, kernel, r, s, z, tangents, config: ConvConfig):
@@ -272,25 +343,33 @@ def _kernel_gradients(x, kernel, r, s, z, g, config: ConvConfig, needs: Needs):
     return dx, dkernel, dr, ds
 
 
-def _plan(x, kernel, r, s, config: ConvConfig, needs: Needs) -> str:
-    del x, kernel, r, s  # the measured table is per backend and case
+def _plan(x, kernel, r, s, config: ConvConfig, needs: Needs) -> Formulation:
+    can_fold = len({jnp.dtype(a.dtype) for a in (x, kernel, r, s)}) == 1
+    formulation = choose_conv(needs, config.feature_group_count, can_fold=can_fold)
+    if config.forward is not None:
+        forward = config.forward if can_fold else "scale"
+        formulation = Formulation(forward, formulation.params)
     if config.params is not None:
-        if config.params == "kernels" and config.feature_group_count != 1:
-            return "activations"
-        return config.params
-    return choose_conv_backward(needs, config.feature_group_count)
+        params = config.params
+        if params == "kernels" and config.feature_group_count != 1:
+            params = "activations"
+        formulation = Formulation(formulation.forward, params)
+    if formulation.params == "activations" and needs.s:
+        # Its ds reads z, which only the "scale" forward computes.
+        formulation = Formulation("scale", "activations")
+    return formulation
 
 
-def _keeps_product(params: str, needs: Needs) -> bool:
+def _keeps_product(formulation: Formulation, needs: Needs) -> bool:
     # "kernels" forms ds from M_k and saves no activations.
-    return needs.s and params == "activations"
+    return needs.s and formulation.params == "activations"
 
 
-def _backward(x, kernel, r, s, z, g, config: ConvConfig, params: str, needs: Needs):
+def _backward(x, kernel, r, s, z, g, config, formulation: Formulation, needs):
     gradients = {
         "kernels": _kernel_gradients,
         "activations": _activation_gradients,
-    }[params]
+    }[formulation.params]
     return gradients(x, kernel, r, s, z, g, config, needs)
 
 

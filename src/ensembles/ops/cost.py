@@ -22,10 +22,12 @@ from ensembles.ops.autodiff import PARAM_GRADIENTS
 __all__ = [
     "AUTO_TABLE",
     "COST_MODELS",
+    "FOLD_MEASURED",
     "KERNELS_MEASURED",
     "MAX_KERNELS_MEMORY",
     "Choice",
     "ConvBackward",
+    "ConvForward",
     "CostModel",
 ]
 
@@ -133,6 +135,29 @@ class ConvBackward:
     first: bool
     hidden: bool
     measured: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvForward:
+    """Whether the ``"fold"`` convolution forward is measured faster.
+
+    Attributes:
+      fold: whether E convolutions of each member's rows with its own kernel
+        ``W * (r_k (x) s_k)`` beat one convolution of the scaled activations.
+      measured: where, when and what was measured.
+    """
+
+    fold: bool
+    measured: str
+
+
+#: The convolution forward per backend: ``"fold"`` where it measured faster
+#: than ``"scale"`` (unmeasured backends keep ``"scale"``).
+FOLD_MEASURED: dict[str, ConvForward] = {
+    "cpu": ConvForward(fold=True, measured="PROVISIONAL"),
+    "gpu": ConvForward(fold=False, measured="Never measured."),
+    "tpu": ConvForward(fold=False, measured="Never measured."),
+}
 
 
 #: The convolution backward per backend: ``"kernels"`` where it measured faster

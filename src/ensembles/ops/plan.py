@@ -22,6 +22,7 @@ from ensembles.ops.autodiff import PARAM_GRADIENTS, Needs
 from ensembles.ops.cost import (
     AUTO_TABLE,
     COST_MODELS,
+    FOLD_MEASURED,
     KERNELS_MEASURED,
     MAX_KERNELS_MEMORY,
     CostModel,
@@ -35,6 +36,7 @@ __all__ = [
     "auto_impl",
     "check_impl",
     "choose",
+    "choose_conv",
     "choose_conv_backward",
     "estimate",
     "kernels_fit",
@@ -316,3 +318,39 @@ def choose_conv_backward(
     if row is None:
         return "activations"
     return "kernels" if (row.hidden if needs.inputs else row.first) else "activations"
+
+
+def choose_conv(
+    needs: Needs,
+    feature_group_count: int,
+    *,
+    can_fold: bool = True,
+    backend: str | None = None,
+) -> Formulation:
+    """The measured-faster convolution :class:`Formulation`, forward and backward.
+
+    The forward is ``"fold"`` where :data:`~.cost.FOLD_MEASURED` says so and
+    the operands share one dtype (``can_fold``), except where the backward is
+    ``"activations"`` with ``ds`` differentiated (it reads the ``"scale"``
+    forward's unscaled product); the backward is
+    :func:`choose_conv_backward`'s.
+
+    >>> choose_conv(Needs(kernel=True, r=True, s=True), 1, backend="gpu")
+    Formulation(forward='scale', params='activations')
+
+    Args:
+      needs: which operands are differentiated.
+      feature_group_count: the convolution's G.
+      can_fold: whether ``"fold"`` may be used.
+      backend: a key of the tables; default ``jax.default_backend()``.
+
+    Returns:
+      The formulation.
+    """
+    backend = backend or jax.default_backend()
+    params = choose_conv_backward(needs, feature_group_count, backend)
+    row = FOLD_MEASURED.get(backend)
+    fold = can_fold and row is not None and row.fold
+    if params == "activations" and needs.s:
+        fold = False
+    return Formulation("fold" if fold else "scale", params)

@@ -22,7 +22,8 @@ from jax import lax
 from ensembles.ops import batch_ensemble_conv, conv_xla
 from ensembles.ops.autodiff import Needs
 from ensembles.ops.conv_xla import ConvConfig, channels_last_dimension_numbers
-from ensembles.ops.cost import KERNELS_MEASURED
+from ensembles.ops.cost import FOLD_MEASURED, KERNELS_MEASURED
+from ensembles.ops.plan import Formulation, choose_conv
 from ensembles.ops.plan import choose_conv_backward as choose
 from tests.covering import covering
 from tests.jaxprs import equations
@@ -99,7 +100,7 @@ def _args(case: Case):
     return x, kernel, r, s, bias
 
 
-def _spec(case: Case, params=None) -> ConvConfig:
+def _spec(case: Case, params=None, forward=None) -> ConvConfig:
     return ConvConfig(
         case.strides,
         case.padding,
@@ -109,6 +110,7 @@ def _spec(case: Case, params=None) -> ConvConfig:
         None,
         None,
         params=params,
+        forward=forward,
     )
 
 
@@ -192,7 +194,7 @@ def _compare(case, args, argnums, y, grads, primal_outputs=()):
         assert_close_to_scale(g, grads_ref[i], dtype, scale=4, err_msg=name)
 
 
-def _check(case: Case, argnums, params, jit=True, primal=False):
+def _check(case: Case, argnums, params, jit=True, primal=False, forward=None):
     """Forward value and gradients w.r.t. ``argnums`` against the reference.
 
     ``primal``: also check the forward called outside differentiation (the
@@ -200,7 +202,7 @@ def _check(case: Case, argnums, params, jit=True, primal=False):
     """
     args = _args(case)[:4]
     y_ref, _ = _reference(case, False)
-    spec = _spec(case, params)
+    spec = _spec(case, params, forward)
 
     def op(*a):
         return conv_xla.conv_by_member(*a, spec)
@@ -217,21 +219,25 @@ def _check(case: Case, argnums, params, jit=True, primal=False):
 
 # --- every formulation x every differentiated subset -----------------------
 
-# 2-D, E=2, B=3, 7x5 pixels, 3x2 kernel, in=3, out=5, SAME, jitted.
+# 2-D, E=2, B=3, 7x5 pixels, 3x2 kernel, in=3, out=5, SAME, jitted. A forced
+# backward runs with each forced forward in f32 ("fold": E convolutions with
+# the members' kernels; with "activations" and ds differentiated it falls back
+# to "scale", whose product ds reads), with the table's forward in bf16.
 GRID = [
-    pytest.param(params, needs, dtype, id=f"{pid}-{needs}-{dtype}")
+    pytest.param(params, forward, needs, dtype, id=f"{pid}-{forward}-{needs}-{dtype}")
     for dtype in ("f32", "bf16")
     for params, pid in zip(PARAMS, PARAM_IDS, strict=True)
+    for forward in ([None] if params is None or dtype == "bf16" else ["scale", "fold"])
     for needs in NEEDS
     # bf16: the subsets whose reductions (dr, ds) or fallbacks differ.
     if dtype == "f32" or needs in ("first_layer", "all", "r", "s")
 ]
 
 
-@pytest.mark.parametrize("params, needs, dtype", GRID)
-def test_every_formulation_every_needs(params, needs, dtype):
+@pytest.mark.parametrize("params, forward, needs, dtype", GRID)
+def test_every_formulation_every_needs(params, forward, needs, dtype):
     primal = needs == "all"  # once per formulation and dtype
-    _check(Case(dtype=dtype), NEEDS[needs], params, primal=primal)
+    _check(Case(dtype=dtype), NEEDS[needs], params, primal=primal, forward=forward)
 
 
 # Shapes and options, each with both forced formulations, for a first layer
@@ -252,33 +258,37 @@ SWEEP = {
 }
 
 
-# Each case with both forced formulations, one of them for a first layer and
-# the other for a hidden layer, swapped from case to case: every case runs both
-# formulations and both layers, every (formulation, layer) pair runs on four or
-# five cases. 18 of the 36 combinations.
+# Each case with every forced formulation (forward and backward), one for a
+# first layer and the others for a hidden layer, rotated from case to case:
+# every case runs every formulation and both layers, every (formulation,
+# layer) pair runs on several cases. 27 of the 54 combinations.
+FORMULATIONS = ["scale-activations", "scale-kernels", "fold-kernels"]
 SWEEP_CASES = covering(
     {
         "case": list(SWEEP),
-        "params": ["activations", "kernels"],
+        "formulation": FORMULATIONS,
         "needs": ["first_layer", "all"],
     },
     [
-        (name, params, ["first_layer", "all"][(i + j) % 2])
+        (name, formulation, ["first_layer", "all"][(i + j) % 2])
         for i, name in enumerate(SWEEP)
-        for j, params in enumerate(["activations", "kernels"])
+        for j, formulation in enumerate(FORMULATIONS)
     ],
 )
 
 
 @pytest.mark.parametrize(
-    "case, params, needs",
+    "case, formulation, needs",
     [
-        pytest.param(SWEEP[name], params, needs, id=f"{name}-{params}-{needs}")
-        for name, params, needs in SWEEP_CASES
+        pytest.param(
+            SWEEP[name], formulation, needs, id=f"{name}-{formulation}-{needs}"
+        )
+        for name, formulation, needs in SWEEP_CASES
     ],
 )
-def test_shapes_options_members_jit(case, params, needs):
-    _check(case, NEEDS[needs], params)
+def test_shapes_options_members_jit(case, formulation, needs):
+    forward, params = formulation.split("-")
+    _check(case, NEEDS[needs], params, forward=forward)
 
 
 # Eager (op by op) is slow to dispatch the first time: a few cases only.
@@ -378,39 +388,69 @@ COUNT_CASE = Case(
 )
 
 
+E = COUNT_CASE.num_members
+
+
 @pytest.mark.parametrize(
-    "case, params, kernel_gradients, input_gradients",
+    "case, forward, params, forward_convs, kernel_gradients, input_gradients",
     [
+        # "scale" forward: one convolution of all E*B scaled rows.
         # "kernels": one kernel-gradient conv per member (M_k), no input
         # gradient; dW, dr and ds are reductions over the M_k.
-        (COUNT_CASE, "kernels", COUNT_CASE.num_members, 0),
-        # The table's choice on CPU for a first layer is "kernels".
-        (COUNT_CASE, None, COUNT_CASE.num_members, 0),
+        (COUNT_CASE, "scale", "kernels", 1, E, 0),
+        # "fold" forward: E convolutions of B rows, each with its member's
+        # kernel W * (r_k (x) s_k).
+        (COUNT_CASE, "fold", "kernels", E, E, 0),
+        # The table's choice on CPU for a first layer is "fold" and "kernels".
+        (COUNT_CASE, None, None, E, E, 0),
         # "activations": one kernel-gradient conv over all E*B rows for dW and
-        # the input-gradient conv u that dr_k = sum x_k * u_k needs.
-        (COUNT_CASE, "activations", 1, 1),
+        # the input-gradient conv u that dr_k = sum x_k * u_k needs; its ds
+        # reads the "scale" forward's product, so a forced "fold" falls back.
+        (COUNT_CASE, "scale", "activations", 1, 1, 1),
+        (COUNT_CASE, "fold", "activations", 1, 1, 1),
         # Grouped: a forced "kernels" falls back to "activations".
-        (COUNT_CASE._replace(in_features=4, out_features=6, groups=2), "kernels", 1, 1),
+        (
+            COUNT_CASE._replace(in_features=4, out_features=6, groups=2),
+            "scale",
+            "kernels",
+            1,
+            1,
+            1,
+        ),
     ],
-    ids=["kernels", "auto_cpu", "activations", "grouped_kernels_falls_back"],
+    ids=[
+        "scale-kernels",
+        "fold-kernels",
+        "auto_cpu",
+        "scale-activations",
+        "fold-activations_falls_back",
+        "grouped_kernels_falls_back",
+    ],
 )
-def test_first_layer_conv_count(case, params, kernel_gradients, input_gradients):
+def test_first_layer_conv_count(
+    case, forward, params, forward_convs, kernel_gradients, input_gradients
+):
     """Counted: every ``conv_general_dilated`` eqn in the jaxpr of ``jax.grad``
-    w.r.t. kernel, r and s (a first layer), sub-jaxprs included; one is the
-    forward, the rest are kernel gradients (kernel-shaped output) or input
-    gradients (input-shaped output)."""
-    if params is None and choose(Needs(kernel=True, r=True, s=True), 1) != "kernels":
-        pytest.skip("the table does not pick 'kernels' on this backend")
+    w.r.t. kernel, r and s (a first layer), sub-jaxprs included: the forward
+    (one of all rows, or one per member), then kernel gradients
+    (kernel-shaped output) or input gradients (input-shaped output)."""
+    auto = choose_conv(Needs(kernel=True, r=True, s=True), 1)
+    if params is None and auto != Formulation("fold", "kernels"):
+        pytest.skip(f"the table picks {auto} on this backend")
     x, kernel, r, s, _ = _args(case)
-    spec = _spec(case, params)
+    spec = _spec(case, params, forward)
 
     def loss(x, kernel, r, s):
         return jnp.sum(conv_xla.conv_by_member(x, kernel, r, s, spec) ** 2)
 
     shapes = _convs(jax.make_jaxpr(jax.grad(loss, argnums=(1, 2, 3)))(x, kernel, r, s))
     y_shape = (x.shape[0], *case.spatial, case.out_features)
-    assert len(shapes) == 1 + kernel_gradients + input_gradients, shapes
-    assert shapes.count(y_shape) == 1, shapes
+    member_y_shape = (case.batch, *case.spatial, case.out_features)
+    assert len(shapes) == forward_convs + kernel_gradients + input_gradients, shapes
+    if forward_convs == 1:
+        assert shapes.count(y_shape) == 1, shapes
+    else:
+        assert shapes.count(member_y_shape) == forward_convs, shapes
     assert shapes.count(kernel.shape) == kernel_gradients, shapes
     assert shapes.count(x.shape) == input_gradients, shapes
 
@@ -418,7 +458,7 @@ def test_first_layer_conv_count(case, params, kernel_gradients, input_gradients)
 def test_conv_walk_sees_inside_the_op_primitive():
     """The counter is not vacuous: the forward's conv lives inside the primitive."""
     x, kernel, r, s, _ = _args(COUNT_CASE)
-    spec = _spec(COUNT_CASE)
+    spec = _spec(COUNT_CASE, forward="scale")
     jaxpr = jax.make_jaxpr(lambda *a: conv_xla.conv_by_member(*a, spec))(
         x, kernel, r, s
     )
@@ -496,4 +536,24 @@ def test_spec_is_hashable():
     spec = ConvConfig((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
     assert hash(spec) == hash(
         ConvConfig((1,), "VALID", (1,), (1,), 1, None, None, params="kernels")
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu", "metal"])
+@pytest.mark.parametrize(
+    "needs",
+    [Needs(), Needs(inputs=True), FIRST_LAYER, HIDDEN_LAYER],
+    ids=["primal", "inputs", "first", "hidden"],
+)
+def test_choose_conv_forward_follows_the_fold_table(backend, needs):
+    """ "fold" exactly where FOLD_MEASURED says so, never with an
+    "activations" backward that differentiates ``s`` (its ds reads the "scale"
+    forward's product) and never for mixed dtypes (``can_fold=False``)."""
+    row = FOLD_MEASURED.get(backend)
+    params = choose(needs, 1, backend=backend)
+    blocked = params == "activations" and needs.s
+    expected = "fold" if row is not None and row.fold and not blocked else "scale"
+    assert choose_conv(needs, 1, backend=backend) == Formulation(expected, params)
+    assert choose_conv(needs, 1, can_fold=False, backend=backend) == Formulation(
+        "scale", params
     )

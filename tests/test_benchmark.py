@@ -312,11 +312,49 @@ def test_main_json_and_table(capsys, tmp_path):
         assert row["total_bytes"] > row["param_bytes"] >= 4 * row["params"]
     by_method = {(r["mode"], r["method"]): r for r in rows}
     for mode in MODES:
-        assert by_method[mode, "single"]["ratio_to_single"] == 1.0
-        deep = by_method[mode, "deep_ensemble"]
-        assert deep["speedup_vs_deep_ensemble"] == 1.0
-        assert deep["params"] == 2 * by_method[mode, "single"]["params"]
-        assert deep["params_ratio_to_deep_ensemble"] == 1.0
+        single = by_method[mode, "single"]
+        vmap = by_method[mode, "deep_ensemble"]
+        loop = by_method[mode, "deep_ensemble_loop"]
+        assert single["ratio_to_single"] == 1.0
+        assert vmap["speedup_vs_deep_ensemble"] == 1.0
+        assert loop["speedup_vs_deep_ensemble_loop"] == 1.0
+        assert vmap["params"] == 2 * single["params"]
+        # "the deep ensemble" of the ratios is the faster of vmap and loop.
+        best = min((vmap, loop), key=lambda r: r["median_s"])
+        assert best["speedup_vs_best_deep_ensemble"] == 1.0
+        assert best["params_ratio_to_deep_ensemble"] == 1.0
+        for method in METHODS:
+            row = by_method[mode, method]
+            assert row["best_deep_ensemble"] == best["method"]
+            # Every ratio is a ratio of the printed medians.
+            m = row["median_s"]
+            assert row["ratio_to_single"] == pytest.approx(m / single["median_s"])
+            assert row["speedup_vs_deep_ensemble"] == pytest.approx(
+                vmap["median_s"] / m
+            )
+            assert row["speedup_vs_deep_ensemble_loop"] == pytest.approx(
+                loop["median_s"] / m
+            )
+            assert row["speedup_vs_best_deep_ensemble"] == pytest.approx(
+                best["median_s"] / m
+            )
+            assert row["params_ratio_to_deep_ensemble"] == pytest.approx(
+                row["params"] / best["params"]
+            )
+            assert row["memory_ratio_to_deep_ensemble"] == pytest.approx(
+                row["total_bytes"] / best["total_bytes"]
+            )
+            # The table prints those ratios, and names the deep ensemble.
+            line = next(
+                line
+                for line in out.split(f"linear {mode}:")[1].splitlines()
+                if line.split()[1:2] == [method]
+            )
+            assert f"{row['ratio_to_single']:.2f}" in line.split()
+            assert f"{row['speedup_vs_best_deep_ensemble']:.2f}x" in line.split()
+        name = "vmap" if best["method"] == "deep_ensemble" else "loop"
+        title = out.split(f"linear {mode}:")[1].splitlines()[0]
+        assert f"against the faster deep ensemble (E=2: {name})" in title
 
 
 def test_main_markdown_and_plot(capsys, tmp_path):

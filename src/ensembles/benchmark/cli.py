@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
             "'/deep' columns are fractions of that faster deep ensemble's "
             "parameters and memory (XLA's memory analysis of the compiled step: "
             "arguments + outputs + temporaries; the loop's temporaries are those "
-            "of one of its E calls)."
+            "of one of its E calls). On XLA's CPU backend that analysis does not "
+            "count the scratch space of grouped convolutions, so the vmap deep "
+            "ensemble of the CNN (E grouped into one convolution) shows less "
+            "memory than one model: read its memory as a lower bound."
         ),
     )
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The ``"xla"`` convolution's derivative rule: kernel gradients per member.
+"""The ``"xla"`` convolution: two forwards, and kernel gradients per member.
 
 Member ``k`` of a BatchEnsemble convolution computes, on its rows ``x_k``
 (padded as the op's padding mode asks)::
@@ -15,6 +15,14 @@ input-channel axis and ``s`` its output-channel axis::
     dr_k = sum over all but the input-channel axis of M_k * W * s_k
     ds_k = sum over all but the output-channel axis of M_k * W * r_k
 
+Two forward formulations:
+
+* ``"scale"``: one convolution of all ``E*B`` rows scaled by ``r``, then
+  ``* s``; keeps the unscaled product ``z`` for the ``"activations"`` ``ds``.
+* ``"fold"``: E convolutions of ``B`` rows, member ``k``'s with its own kernel
+  ``W * (r_k (x) s_k)`` (:func:`effective_kernel`); no scaling pass over the
+  activations.
+
 Two backward formulations:
 
 * ``"activations"``: what plain differentiation of the forward does. ``dW`` is
@@ -28,11 +36,12 @@ Two backward formulations:
 
 Only convolutions with ``feature_group_count == 1`` use ``"kernels"`` (a
 grouped kernel's input-channel axis holds ``in/G`` channels, so ``dr`` would
-need a regrouping that is not written). Which formulation runs is a measured
-table per backend (:data:`ensembles.ops.cost.KERNELS_MEASURED`, read by
-:func:`ensembles.ops.plan.choose_conv_backward`), not a cost model: the CPU
-numbers do not follow FLOPs (E kernel-gradient convolutions of ``B`` rows run
-faster on XLA's CPU backend than one of ``E*B`` rows).
+need a regrouping that is not written). Which formulations run is a measured
+table per backend (:data:`ensembles.ops.cost.FOLD_MEASURED` and
+:data:`~ensembles.ops.cost.KERNELS_MEASURED`, read by
+:func:`ensembles.ops.plan.choose_conv`), not a cost model: the CPU numbers do
+not follow FLOPs (E convolutions of ``B`` rows run faster on XLA's CPU backend
+than one of ``E*B`` rows).
 """
 
 from __future__ import annotations

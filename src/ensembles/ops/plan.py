@@ -4,7 +4,8 @@
   ``"pallas"`` kernel) a dense-like op runs for ``impl="auto"``;
 * :func:`choose`: which ``"xla"`` dense :class:`Formulation` (forward and
   backward) runs, for exactly the operands that are differentiated;
-* :func:`choose_conv_backward`: which ``"xla"`` convolution backward runs.
+* :func:`choose_conv`: which ``"xla"`` convolution forward and backward run
+  (the backward from :func:`choose_conv_backward`).
 
 Each is made once per call (the formulations when the op is differentiated,
 see :mod:`ensembles.ops.autodiff`), here and nowhere else.

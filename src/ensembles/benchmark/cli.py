@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["--model", "linear", "--mode", "forward", "--members", "2",
     ...       "--batch", "2", "--width", "4", "--repeats", "1", "--markdown"])
     ensembles ... median of 1 interleaved rounds
-    **linear forward: B=2 per member, width 4, impl=auto**
+    **linear forward: B=2 per member, width 4, impl=auto; ...**
     <BLANKLINE>
     | E | method | ms | spread | samples/s | x single | vs deep | params | ...
     |---:|:---|---:|...

@@ -18,7 +18,14 @@ import pytest
 from ensembles.ops import batch_ensemble_dense, dense_xla
 from ensembles.ops.autodiff import PARAM_GRADIENTS, Needs
 from ensembles.ops.cost import COST_MODELS
-from ensembles.ops.plan import FORWARDS, Formulation, choose, estimate, kernels_fit
+from ensembles.ops.plan import (
+    FORWARDS,
+    Formulation,
+    can_fold,
+    choose,
+    estimate,
+    kernels_fit,
+)
 from tests.covering import covering
 from tests.jaxprs import equations
 from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
@@ -235,7 +242,7 @@ def test_through_batch_ensemble_dense(needs):
 def test_mixed_dtypes_fold_falls_back_to_scale():
     """bf16 inputs with f32 parameters: a forced "fold" runs the 2-D matmul."""
     x, kernel, r, s, bias = _args(0, 2, 3, (), "mixed")
-    assert not dense_xla._can_fold(x.reshape(2, -1, 7), kernel, r, s)
+    assert not can_fold(x.reshape(2, -1, 7), kernel, r, s)
     fold = Formulation("fold", "kernels")
     for argnums in ((), (1, 2, 3)):
 

@@ -60,7 +60,13 @@ from ensembles.ops.autodiff import (
     accumulation_dtype,
     define,
 )
-from ensembles.ops.plan import FORWARDS, Formulation, choose_conv
+from ensembles.ops.plan import (
+    FORWARDS,
+    Formulation,
+    can_fold,
+    choose_conv,
+    runnable,
+)
 
 __all__ = [
     "ConvConfig",
@@ -353,20 +359,13 @@ def _kernel_gradients(x, kernel, r, s, z, g, config: ConvConfig, needs: Needs):
 
 
 def _plan(x, kernel, r, s, config: ConvConfig, needs: Needs) -> Formulation:
-    can_fold = len({jnp.dtype(a.dtype) for a in (x, kernel, r, s)}) == 1
-    formulation = choose_conv(needs, config.feature_group_count, can_fold=can_fold)
-    if config.forward is not None:
-        forward = config.forward if can_fold else "scale"
-        formulation = Formulation(forward, formulation.params)
-    if config.params is not None:
-        params = config.params
-        if params == "kernels" and config.feature_group_count != 1:
-            params = "activations"
-        formulation = Formulation(formulation.forward, params)
-    if formulation.params == "activations" and needs.s:
-        # Its ds reads z, which only the "scale" forward computes.
-        formulation = Formulation("scale", "activations")
-    return formulation
+    foldable = can_fold(x, kernel, r, s)
+    chosen = choose_conv(needs, config.feature_group_count, can_fold=foldable)
+    forward = config.forward or chosen.forward
+    params = config.params or chosen.params
+    if params == "kernels" and config.feature_group_count != 1:
+        params = "activations"
+    return runnable(Formulation(forward, params), needs, foldable)
 
 
 def _keeps_product(formulation: Formulation, needs: Needs) -> bool:

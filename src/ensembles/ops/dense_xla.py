@@ -60,7 +60,7 @@ from ensembles.ops.autodiff import (
     define,
     static_precision,
 )
-from ensembles.ops.plan import Formulation, choose
+from ensembles.ops.plan import Formulation, can_fold, choose, runnable
 
 __all__ = ["DenseConfig", "dense_by_member"]
 
@@ -238,25 +238,15 @@ def _kernel_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs)
     return dx, dkernel, dr, ds
 
 
-def _can_fold(x3, kernel, r, s) -> bool:
-    return len({jnp.dtype(a.dtype) for a in (x3, kernel, r, s)}) == 1
-
-
 def _plan(x3, kernel, r, s, config: DenseConfig, needs: Needs) -> Formulation:
     num_members, rows, in_features = x3.shape
-    can_fold = _can_fold(x3, kernel, r, s)
-    if config.formulation is not None:
-        formulation = config.formulation
-        if formulation.forward == "fold" and not can_fold:
-            formulation = dataclasses.replace(formulation, forward="scale")
-    else:
+    foldable = can_fold(x3, kernel, r, s)
+    formulation = config.formulation
+    if formulation is None:
         formulation = choose(
-            num_members, rows, in_features, kernel.shape[1], needs, can_fold=can_fold
+            num_members, rows, in_features, kernel.shape[1], needs, can_fold=foldable
         )
-    if formulation.params == "activations" and needs.s:
-        # Its ds reads z, which only the "scale" forward computes.
-        formulation = dataclasses.replace(formulation, forward="scale")
-    return formulation
+    return runnable(formulation, needs, foldable)
 
 
 def _keeps_product(formulation: Formulation, needs: Needs) -> bool:

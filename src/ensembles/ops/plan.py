@@ -35,6 +35,7 @@ __all__ = [
     "IMPLS",
     "Formulation",
     "auto_impl",
+    "can_fold",
     "check_impl",
     "choose",
     "choose_conv",
@@ -42,6 +43,7 @@ __all__ = [
     "estimate",
     "kernels_fit",
     "resolve_impl",
+    "runnable",
 ]
 
 #: The implementations the dense-like ops (dense, general, einsum) accept as
@@ -352,6 +354,44 @@ def choose_conv(
     params = choose_conv_backward(needs, feature_group_count, backend)
     row = FOLD_MEASURED.get(backend)
     fold = can_fold and row is not None and row.fold
-    if params == "activations" and needs.s:
-        fold = False
-    return Formulation("fold" if fold else "scale", params)
+    return runnable(Formulation("fold" if fold else "scale", params), needs, can_fold)
+
+
+def can_fold(*operands) -> bool:
+    """Whether ``"fold"`` may run: the operands share one dtype.
+
+    >>> import jax.numpy as jnp
+    >>> can_fold(jnp.ones(2), jnp.ones(2, jnp.bfloat16))
+    False
+
+    Args:
+      *operands: the op's arrays (inputs, kernel, r, s).
+
+    Returns:
+      ``True`` if every operand has the same dtype.
+    """
+    return len({jnp.dtype(a.dtype) for a in operands}) == 1
+
+
+def runnable(formulation: Formulation, needs: Needs, can_fold: bool) -> Formulation:
+    """``formulation`` as it can run: ``"scale"`` where ``"fold"`` cannot.
+
+    ``"fold"`` cannot run for operands of mixed dtypes (``can_fold`` false),
+    nor with an ``"activations"`` backward that differentiates ``s`` (its
+    ``ds`` reads the ``"scale"`` forward's unscaled product).
+
+    >>> runnable(Formulation("fold", "activations"), Needs(s=True), True)
+    Formulation(forward='scale', params='activations')
+
+    Args:
+      formulation: the chosen or forced formulation.
+      needs: which operands are differentiated.
+      can_fold: whether the operands share one dtype.
+
+    Returns:
+      The formulation that runs.
+    """
+    blocked = formulation.params == "activations" and needs.s
+    if formulation.forward == "fold" and (blocked or not can_fold):
+        return Formulation("scale", formulation.params)
+    return formulation

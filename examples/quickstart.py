@@ -54,12 +54,10 @@ def main(argv=None):
     @nnx.jit
     def train_step(model, optimizer, x, y):
         def loss_fn(model):
-            # Every member sees the same examples: tile the batch E times.
+            # Every member sees the same examples: tile the batch E times. The
+            # loss is the mean of the member losses (the labels are tiled too).
             logits = model(ensembles.tile(x, num_members))
-            labels = ensembles.tile(y, num_members)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, labels
-            ).mean()
+            return ensembles.training.cross_entropy(logits, y, num_members=num_members)
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)

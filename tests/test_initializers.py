@@ -26,11 +26,13 @@ def test_normal_zero_stddev_is_constant():
     np.testing.assert_array_equal(w, 2.0)
 
 
-def test_normal_default_is_uncertainty_baselines_recipe():
+def test_normal_default_is_the_layers_default():
+    from ensembles.layers.parameters import default_fast_weight_init
+
     key = jax.random.key(3)
-    np.testing.assert_array_equal(
-        initializers.normal()(key, (7,)), initializers.normal(1.0, 0.5)(key, (7,))
-    )
+    expected = initializers.normal(1.0, 0.75)(key, (7,))
+    np.testing.assert_array_equal(initializers.normal()(key, (7,)), expected)
+    np.testing.assert_array_equal(default_fast_weight_init(key, (7,)), expected)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.25, 0.5, 0.9, 1.0])

@@ -1,13 +1,16 @@
-"""The ``ensembles-bench`` command: what an ensemble of E costs.
+"""The ``ensembles-bench`` command: what an ensemble of E costs, and what it buys.
 
 It times one plain model, its BatchEnsemble conversion and a deep ensemble of
 E models (vmapped, and in a Python loop) on the same ``E*B`` member-samples,
-and reports throughput, parameters and XLA's memory analysis. Run it as
-``ensembles-bench`` or ``python -m ensembles.benchmark``; ``--help`` lists the
-options.
+and reports throughput, parameters and XLA's memory analysis. With
+``--quality`` it trains one model, a BatchEnsemble, a deep ensemble and MC
+dropout on MNIST-1D (generated offline) and reports accuracy, NLL, ECE and
+Brier score in distribution and under shift, and out-of-distribution AUROC.
+Run it as ``ensembles-bench`` or ``python -m ensembles.benchmark``; ``--help``
+lists the options.
 """
 
-from ensembles.benchmark.cli import build_parser, main, run_benchmark
+from ensembles.benchmark.cli import build_parser, main
 from ensembles.benchmark.methods import (
     LEARNING_RATE,
     METHODS,
@@ -25,6 +28,22 @@ from ensembles.benchmark.models import (
     build_model,
     model_inputs,
 )
+from ensembles.benchmark.quality import METRICS, evaluate, run_quality, summarize
+from ensembles.benchmark.quality_data import (
+    SEVERITIES,
+    SHIFTS,
+    QualityData,
+    load_quality_data,
+)
+from ensembles.benchmark.quality_methods import (
+    QUALITY_METHODS,
+    QUALITY_MODELS,
+    Trained,
+    build_quality_model,
+    train_method,
+)
+from ensembles.benchmark.quality_report import format_quality, write_quality_plot
+from ensembles.benchmark.speed import run_benchmark
 from ensembles.benchmark.timing import (
     interleaved_times,
     median,
@@ -37,15 +56,26 @@ __all__ = [
     "DEFAULT_WIDTHS",
     "LEARNING_RATE",
     "METHODS",
+    "METRICS",
     "MODELS",
     "MODES",
     "NUM_CLASSES",
+    "QUALITY_METHODS",
+    "QUALITY_MODELS",
+    "SEVERITIES",
+    "SHIFTS",
     "MemoryStats",
     "Prepared",
+    "QualityData",
+    "Trained",
     "build_model",
     "build_parser",
+    "build_quality_model",
     "check_convertible",
+    "evaluate",
+    "format_quality",
     "interleaved_times",
+    "load_quality_data",
     "main",
     "median",
     "model_inputs",
@@ -53,4 +83,8 @@ __all__ = [
     "prepare_method",
     "quartiles",
     "run_benchmark",
+    "run_quality",
+    "summarize",
+    "train_method",
+    "write_quality_plot",
 ]

@@ -1,10 +1,14 @@
-"""``ensembles-bench``: what does an ensemble of E cost, in speed and memory?
+"""``ensembles-bench``: what does an ensemble of E cost, and what does it buy?
 
 For every ensemble size E it times ``single`` (one plain model on all ``E*B``
 rows), ``batchensemble`` (the converted model), ``deep_ensemble`` (E models
 under ``nnx.vmap``) and ``deep_ensemble_loop`` (E models in a Python loop), all
 on the same ``E*B`` member-samples, interleaved so that machine drift hits all
-methods alike, and prints samples/s, ratios and memory.
+methods alike, and prints samples/s, ratios and memory. With ``--quality`` it
+trains one model, a BatchEnsemble, a deep ensemble and MC dropout on MNIST-1D
+(generated offline) and prints accuracy, NLL, ECE and Brier score in
+distribution and under shift, and out-of-distribution AUROC
+(:mod:`ensembles.benchmark.quality`).
 """
 
 from __future__ import annotations
@@ -18,13 +22,11 @@ from typing import Any, TextIO
 import jax
 
 import ensembles
-from ensembles.benchmark.methods import (
-    METHODS,
-    MODES,
-    check_convertible,
-    prepare_method,
-)
+from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
+from ensembles.benchmark.quality import run_quality, summarize
+from ensembles.benchmark.quality_methods import QUALITY_MODELS, STEPS
+from ensembles.benchmark.quality_report import format_quality, write_quality_plot
 from ensembles.benchmark.report import (
     _describe_device,
     _format_markdown,
@@ -32,17 +34,35 @@ from ensembles.benchmark.report import (
     _write_json,
     _write_plot,
 )
-from ensembles.benchmark.timing import (
-    interleaved_times,
-    median,
-    quartiles,
-)
+from ensembles.benchmark.speed import run_benchmark
 
-__all__ = ["build_parser", "main", "run_benchmark"]
+__all__ = ["build_parser", "main"]
 
 #: Defaults of the full run and of ``--quick`` (options not given on the line).
-DEFAULTS: dict[str, Any] = {"members": (1, 2, 4, 8), "repeats": 10}
-QUICK: dict[str, Any] = {"members": (1, 4), "repeats": 5}
+DEFAULTS: dict[str, Any] = {
+    "model": ("mlp",),
+    "mode": MODES,
+    "members": (1, 2, 4, 8),
+    "batch": 128,
+    "image_size": DEFAULT_IMAGE_SIZE,
+    "impl": "auto",
+    "repeats": 10,
+}
+QUICK: dict[str, Any] = {**DEFAULTS, "members": (1, 4), "repeats": 5}
+
+#: The same for ``--quality``: a full run is 3 seeds of both models.
+QUALITY_DEFAULTS: dict[str, Any] = {
+    "model": QUALITY_MODELS,
+    "members": (4,),
+    "seeds": 3,
+    "steps": STEPS,
+}
+QUALITY_QUICK: dict[str, Any] = {**QUALITY_DEFAULTS, "model": ("cnn",), "seeds": 1}
+
+# Options of one benchmark only (their defaults are None so that a given one
+# can be told apart).
+_SPEED_ONLY = ("mode", "batch", "width", "image_size", "impl", "repeats")
+_QUALITY_ONLY = ("seeds", "steps")
 
 _EXTRA_HINT = "pip install 'ensembles[bench]'"
 
@@ -96,41 +116,58 @@ def build_parser() -> argparse.ArgumentParser:
     >>> from ensembles.benchmark import build_parser
     >>> args = build_parser().parse_args(["--members", "2,4", "--mode", "train"])
     >>> args.members, args.mode, args.model
-    ((2, 4), ('train',), ('mlp',))
+    ((2, 4), ('train',), None)
 
     Returns:
-      The parser. Options that ``--quick`` changes default to ``None``;
-      :func:`main` fills them in.
+      The parser. Options whose default depends on ``--quick`` or
+      ``--quality``, or that belong to one benchmark only, default to
+      ``None``; :func:`main` fills them in.
     """
     parser = argparse.ArgumentParser(
         prog="ensembles-bench",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=(
-            "Every method processes the same E*B member-samples; samples/s counts "
-            "member-samples; 'ms' is the median time of a step. 'x single' is that "
-            "median over the median of one plain model on all E*B rows; 'vs deep' "
-            "is the median of the faster deep ensemble (E models run with "
-            "nnx.vmap, or one after another in a Python loop; both are rows of "
-            "the table) over the row's median: above 1, the row is faster. "
-            "'/deep' columns are fractions of that faster deep ensemble's "
-            "parameters and memory (XLA's memory analysis of the compiled step: "
-            "arguments + outputs + temporaries; the loop's temporaries are those "
-            "of one of its E calls). On XLA's CPU backend that analysis does not "
-            "count the scratch space of grouped convolutions, so the vmap deep "
-            "ensemble of the CNN (E grouped into one convolution) shows less "
-            "memory than one model: read its memory as a lower bound."
+            "Speed: every method processes the same E*B member-samples; "
+            "samples/s counts member-samples; 'ms' is the median time of a step. "
+            "'x single' is that median over the median of one plain model on all "
+            "E*B rows; 'vs deep' is the median of the faster deep ensemble (E "
+            "models run with nnx.vmap, or one after another in a Python loop; "
+            "both are rows of the table) over the row's median: above 1, the row "
+            "is faster. '/deep' columns are fractions of that faster deep "
+            "ensemble's parameters and memory (XLA's memory analysis of the "
+            "compiled step: arguments + outputs + temporaries; the loop's "
+            "temporaries are those of one of its E calls). On XLA's CPU backend "
+            "that analysis does not count the scratch space of grouped "
+            "convolutions, so the vmap deep ensemble of the CNN (E grouped into "
+            "one convolution) shows less memory than one model: read its memory "
+            "as a lower bound. Quality (--quality): every method trains with "
+            "AdamW for the same steps on 8,000 MNIST-1D sequences generated "
+            "offline; acc, NLL, ECE (15 bins) and Brier are measured on 2,000 "
+            "test sequences, 'shift' columns are means over severities 1-5 of "
+            "five corruption families, AUROC H / MI is how well total entropy / "
+            "mutual information rank out-of-distribution sequences above test "
+            "sequences (0.5 = chance; a single model has no MI). Cells are "
+            "means ± standard deviations over seeds."
         ),
+    )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure what an ensemble buys (accuracy, NLL, ECE, Brier, under "
+        "shift, OOD AUROC) instead of what it costs; needs optax and mnist1d: "
+        f"{_EXTRA_HINT}",
     )
     parser.add_argument(
         "--model",
         type=_choice_list(MODELS),
-        default=("mlp",),
-        help=f"{'|'.join(MODELS)} or a comma-separated list (default: mlp)",
+        default=None,
+        help=f"{'|'.join(MODELS)} or a comma-separated list (default: mlp; "
+        f"--quality: {','.join(QUALITY_MODELS)} of MNIST-1D, --quick: cnn)",
     )
     parser.add_argument(
         "--mode",
         type=_choice_list(MODES),
-        default=MODES,
+        default=None,
         help="forward (inference) and/or train (forward + backward + adam "
         "update), comma-separated (default: forward,train)",
     )
@@ -138,12 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--members",
         type=_int_list,
         default=None,
-        help="ensemble sizes E, comma-separated (default: 1,2,4,8; --quick: 1,4)",
+        help="ensemble sizes E, comma-separated (default: 1,2,4,8; --quick: 1,4; "
+        "--quality: 4)",
     )
     parser.add_argument(
         "--batch",
         type=_positive_int,
-        default=128,
+        default=None,
         help="samples per member B; every method sees E*B (default: 128)",
     )
     parser.add_argument(
@@ -158,13 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--image-size",
         type=_positive_int,
-        default=DEFAULT_IMAGE_SIZE,
+        default=None,
         help=f"height and width of the CNN's images (default: {DEFAULT_IMAGE_SIZE})",
     )
     parser.add_argument(
         "--impl",
         choices=ensembles.ops.IMPLS,
-        default="auto",
+        default=None,
         help="BatchEnsemble op implementation, set with nnx.view(model, impl=...) "
         "(default: auto)",
     )
@@ -176,12 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 10; --quick: 5)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of parameters and data"
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of parameters and data; --quality: the first seed of "
+        "parameters, batches and dropout (default: 0)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=_positive_int,
+        default=None,
+        help="--quality: how many seeds (--seed, --seed + 1, ...) to train and "
+        "average (default: 3; --quick: 1)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help=f"--quality: training steps of every method (default: {STEPS})",
     )
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer sizes and rounds (E=1,4, 5 rounds): under a minute on a 2-core CPU",
+        help="fewer sizes and rounds (E=1,4, 5 rounds): under a minute on a 2-core "
+        "CPU; --quality: the CNN and one seed, about a minute",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument(
@@ -190,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--plot",
         metavar="PATH.png",
-        help=f"plot throughput and memory against E (needs matplotlib: {_EXTRA_HINT})",
+        help="plot throughput and memory against E (--quality: accuracy, NLL and "
+        f"ECE against shift severity); needs matplotlib: {_EXTRA_HINT}",
     )
     return parser
 
@@ -198,7 +255,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
+    other = _SPEED_ONLY if args.quality else _QUALITY_ONLY
+    given = [key for key in other if getattr(args, key) is not None]
+    if given:
+        flags = ", ".join("--" + key.replace("_", "-") for key in given)
+        parser.error(
+            f"{flags} {'applies' if len(given) == 1 else 'apply'} only "
+            f"{'without' if args.quality else 'with'} --quality"
+        )
+    if args.quality:
+        defaults = QUALITY_QUICK if args.quick else QUALITY_DEFAULTS
+    else:
+        defaults = QUICK if args.quick else DEFAULTS
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.plot is not None:
@@ -213,13 +282,28 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--plot needs matplotlib, which is not installed: {_EXTRA_HINT} "
                 f"(the 'bench' extra)"
             )
-    if "train" in args.mode:
+    if args.quality or "train" in args.mode:
         try:
             import optax  # noqa: F401
         except ImportError:
             parser.error(
-                f"--mode train needs optax, which is not installed: {_EXTRA_HINT}"
+                f"{'--quality' if args.quality else '--mode train'} needs optax, "
+                f"which is not installed: {_EXTRA_HINT}"
             )
+    if args.quality:
+        unknown = [model for model in args.model if model not in QUALITY_MODELS]
+        if unknown:
+            parser.error(
+                f"--quality --model {','.join(unknown)}: the quality benchmark "
+                f"trains {' and '.join(QUALITY_MODELS)} (MNIST-1D classifiers)"
+            )
+        try:
+            import mnist1d  # noqa: F401
+        except ImportError:
+            parser.error(
+                f"--quality needs mnist1d, which is not installed: {_EXTRA_HINT}"
+            )
+        return args
     for model in args.model:
         try:
             check_convertible(model, args.impl)
@@ -241,127 +325,6 @@ def _progress(stream: TextIO) -> Callable[[str], None]:
         stream.flush()
 
     return show
-
-
-def run_benchmark(
-    *,
-    models: Sequence[str] = ("mlp",),
-    modes: Sequence[str] = MODES,
-    members: Sequence[int] = (1, 2, 4, 8),
-    batch: int = 128,
-    width: int | None = None,
-    image_size: int = DEFAULT_IMAGE_SIZE,
-    impl: str = "auto",
-    repeats: int = 10,
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Times every method for every model, mode and E; returns one row each.
-
-    The four methods of one (model, mode, E) are compiled, then timed in
-    interleaved rounds (2 untimed warm-up calls each). Every ratio is a ratio
-    of the printed medians; "the deep ensemble" of the ratios is the faster of
-    ``deep_ensemble`` (vmap) and ``deep_ensemble_loop``.
-
-    >>> from ensembles.benchmark import run_benchmark
-    >>> rows = run_benchmark(models=["linear"], modes=["forward"], members=[2],
-    ...                      batch=2, width=4, repeats=2)
-    >>> [row["method"] for row in rows]
-    ['single', 'batchensemble', 'deep_ensemble', 'deep_ensemble_loop']
-    >>> rows[2]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
-    (True, 1.0)
-
-    Args:
-      models: names from :data:`~ensembles.benchmark.MODELS`.
-      modes: names from :data:`~ensembles.benchmark.MODES`.
-      members: ensemble sizes E.
-      batch: samples per member B.
-      width: see :func:`~ensembles.benchmark.build_model`.
-      image_size: the CNN's image height and width.
-      impl: the BatchEnsemble op implementation.
-      repeats: timed rounds.
-      seed: seed of parameters and data.
-      progress: called with a status line before each stage, and with ``""``
-        at the end.
-
-    Returns:
-      Rows (dicts) with the method, the configuration, times (``median_s``,
-      ``q1_s``, ``q3_s``, ``times_s``), ``samples_per_s``, ratios of medians
-      (``ratio_to_single``; ``speedup_vs_deep_ensemble`` and
-      ``speedup_vs_deep_ensemble_loop``; ``speedup_vs_best_deep_ensemble``
-      over the faster of the two, named in ``best_deep_ensemble``),
-      ``params``, ``param_bytes`` and XLA's memory analysis
-      (``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
-      ``total_bytes``), with the parameter and memory ratios to the faster
-      deep ensemble.
-    """
-    show = progress or (lambda message: None)
-    rows: list[dict[str, Any]] = []
-    groups = [(m, d, e) for m in models for d in modes for e in members]
-    for index, (model, mode, num_members) in enumerate(groups, 1):
-        where = f"[{index}/{len(groups)}] {model} {mode} E={num_members}"
-        prepared = {}
-        for method in METHODS:
-            show(f"{where}: compiling {method}")
-            prepared[method] = prepare_method(
-                method,
-                model,
-                mode,
-                num_members=num_members,
-                batch=batch,
-                width=width,
-                image_size=image_size,
-                impl=impl,
-                seed=seed,
-            )
-        show(f"{where}: timing {repeats} rounds")
-        times = interleaved_times(
-            {method: p.step for method, p in prepared.items()}, repeats
-        )
-        medians = {method: median(values) for method, values in times.items()}
-        best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
-        deep = prepared[best]
-        for method, p in prepared.items():
-            median_s = medians[method]
-            q1, q3 = quartiles(times[method])
-            rows.append(
-                {
-                    "method": method,
-                    "model": model,
-                    "mode": mode,
-                    "members": num_members,
-                    "batch": batch,
-                    "width": DEFAULT_WIDTHS[model] if width is None else width,
-                    "impl": impl,
-                    "samples": num_members * batch,
-                    "median_s": median_s,
-                    "q1_s": q1,
-                    "q3_s": q3,
-                    "samples_per_s": num_members * batch / median_s,
-                    "ratio_to_single": median_s / medians["single"],
-                    "speedup_vs_deep_ensemble": medians["deep_ensemble"] / median_s,
-                    "speedup_vs_deep_ensemble_loop": (
-                        medians["deep_ensemble_loop"] / median_s
-                    ),
-                    "best_deep_ensemble": best,
-                    "speedup_vs_best_deep_ensemble": medians[best] / median_s,
-                    "params": p.num_params,
-                    "param_bytes": p.param_bytes,
-                    "params_ratio_to_deep_ensemble": p.num_params / deep.num_params,
-                    "argument_bytes": p.memory.argument_bytes,
-                    "output_bytes": p.memory.output_bytes,
-                    "alias_bytes": p.memory.alias_bytes,
-                    "temp_bytes": p.memory.temp_bytes,
-                    "total_bytes": p.memory.total_bytes,
-                    "memory_ratio_to_deep_ensemble": (
-                        p.memory.total_bytes / deep.memory.total_bytes
-                    ),
-                    "times_s": times[method],
-                }
-            )
-        del prepared
-    show("")
-    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -392,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     start = time.perf_counter()
     device = _describe_device()
+    if args.quality:
+        return _main_quality(args, device, start)
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
@@ -415,5 +380,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(rows, args.json, device=device, config=vars(args))
     if args.plot:
         _write_plot(rows, args.plot)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+def _main_quality(
+    args: argparse.Namespace, device: dict[str, Any], start: float
+) -> int:
+    """``main`` for ``--quality``: train, measure, print, write."""
+    seeds = tuple(range(args.seed, args.seed + args.seeds))
+    print(
+        f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
+        f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
+        f"CPUs); MNIST-1D, {args.steps} training steps per method, seeds "
+        f"{', '.join(map(str, seeds))}",
+        flush=True,
+    )
+    show = _progress(sys.stderr)
+    show("generating MNIST-1D (offline)")
+    rows = run_quality(
+        models=args.model,
+        members=args.members,
+        seeds=seeds,
+        steps=args.steps,
+        progress=show,
+    )
+    summary = summarize(rows)
+    print(format_quality(summary, markdown=args.markdown))
+    if args.json:
+        _write_json(rows, args.json, device=device, config=vars(args), summary=summary)
+    if args.plot:
+        write_quality_plot(summary, args.plot)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0

@@ -8,7 +8,9 @@ and the PNG of throughput and memory against E.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -162,12 +164,9 @@ def _versions() -> dict[str, str]:
         "flax": flax.__version__,
         "numpy": numpy.__version__,
     }
-    try:
-        import optax
-
-        versions["optax"] = optax.__version__
-    except ImportError:
-        pass
+    for name in ("optax", "mnist1d"):  # optional: the bench extra
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
     return versions
 
 
@@ -216,14 +215,17 @@ def _write_json(
     *,
     device: dict[str, Any],
     config: dict[str, Any],
+    summary: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Writes rows of :func:`run_benchmark` as JSON, with how they were made.
+    """Writes rows of a benchmark as JSON, with how they were made.
 
     Args:
-      rows: the rows.
+      rows: the rows (``"results"``).
       path: the JSON file to write.
       device: :func:`_describe_device`'s description.
       config: the command's options (tuples are written as lists).
+      summary: written as ``"summary"`` if given (``--quality``: means and
+        standard deviations over seeds).
     """
     config = {
         key: list(value) if isinstance(value, tuple) else value
@@ -236,5 +238,7 @@ def _write_json(
         "config": config,
         "results": rows,
     }
+    if summary is not None:
+        result["summary"] = summary
     with open(path, "w") as file:
         json.dump(result, file, indent=1)

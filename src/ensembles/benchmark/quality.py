@@ -1,0 +1,275 @@
+"""``ensembles-bench --quality``: what does an ensemble of E buy?
+
+It trains one model, a BatchEnsemble, a deep ensemble and MC dropout
+(:mod:`~ensembles.benchmark.quality_methods`) on MNIST-1D generated offline
+(:mod:`~ensembles.benchmark.quality_data`) and measures, with
+:mod:`ensembles.uncertainty`, their accuracy, NLL, ECE and Brier score in
+distribution and at five severities of shift, and how well total entropy and
+mutual information tell out-of-distribution sequences from test sequences
+(AUROC).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ensembles import uncertainty
+from ensembles.benchmark.quality_data import (
+    SEVERITIES,
+    QualityData,
+    load_quality_data,
+)
+from ensembles.benchmark.quality_methods import (
+    QUALITY_METHODS,
+    STEPS,
+    Trained,
+    train_method,
+)
+
+__all__ = ["METRICS", "evaluate", "run_quality", "summarize"]
+
+#: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`.
+METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier")
+
+
+def _metrics(logits: jax.Array, labels: np.ndarray) -> dict[str, float]:
+    return {name: float(getattr(uncertainty, name)(logits, labels)) for name in METRICS}
+
+
+def _auroc(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> float:
+    return float(uncertainty.auroc(score(logits_in), score(logits_out)))
+
+
+def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
+    """Measures a trained method on every test set of ``data``.
+
+    Shift metrics at a severity are the means over the shift families of the
+    metrics of each family's set (as CIFAR-10-C results average over
+    corruptions).
+
+    Args:
+      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`.
+      data: from :func:`~ensembles.benchmark.quality_data.load_quality_data`.
+
+    Returns:
+      ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
+      metric: value, ...}, ...], "shift_mean": {metric: mean over
+      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a}}}``.
+      ``auroc_mi`` is ``None`` for ``single``: one model has no mutual
+      information (it is 0 everywhere).
+    """
+    logits_in = trained.predict(data.x_test)
+    result: dict[str, Any] = {"in_distribution": _metrics(logits_in, data.y_test)}
+    shift = []
+    for severity in SEVERITIES:
+        per_family = [
+            _metrics(trained.predict(x), y) for x, y in data.shifted[severity].values()
+        ]
+        shift.append(
+            {
+                "severity": severity,
+                **{m: float(np.mean([f[m] for f in per_family])) for m in METRICS},
+            }
+        )
+    result["shift"] = shift
+    result["shift_mean"] = {
+        m: float(np.mean([level[m] for level in shift])) for m in METRICS
+    }
+    ood = {}
+    for name, x in data.ood.items():
+        logits_out = trained.predict(x)
+        ood[name] = {
+            "auroc_entropy": _auroc(uncertainty.total_entropy, logits_in, logits_out),
+            "auroc_mi": (
+                None
+                if trained.method == "single"
+                else _auroc(uncertainty.mutual_information, logits_in, logits_out)
+            ),
+        }
+    result["ood"] = ood
+    return result
+
+
+def run_quality(
+    *,
+    models: Sequence[str] = ("cnn",),
+    members: Sequence[int] = (4,),
+    seeds: Sequence[int] = (0,),
+    methods: Sequence[str] = QUALITY_METHODS,
+    steps: int = STEPS,
+    data: QualityData | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Trains and measures every method for every model, E and seed.
+
+    >>> from ensembles.benchmark.quality import run_quality
+    >>> from ensembles.benchmark.quality_data import load_quality_data
+    >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
+    >>> rows = run_quality(models=["mlp"], members=[2], steps=2, data=data,
+    ...                    methods=["single", "batchensemble"])
+    >>> [(row["method"], row["members"], row["seed"]) for row in rows]
+    [('single', 2, 0), ('batchensemble', 2, 0)]
+    >>> sorted(rows[1]["in_distribution"])
+    ['accuracy', 'brier', 'ece', 'nll']
+    >>> [level["severity"] for level in rows[1]["shift"]]
+    [1, 2, 3, 4, 5]
+
+    Args:
+      models: names from
+        :data:`~ensembles.benchmark.quality_methods.QUALITY_MODELS`.
+      members: ensemble sizes E.
+      seeds: seeds of parameters, batches and dropout (the data are fixed).
+      methods: names from
+        :data:`~ensembles.benchmark.quality_methods.QUALITY_METHODS`.
+      steps: training steps of every method.
+      data: the data; ``None`` generates the standard sets
+        (:func:`~ensembles.benchmark.quality_data.load_quality_data`).
+      progress: called with a status line before each training, and with
+        ``""`` at the end.
+
+    Returns:
+      One row (a dict) per model, E, seed and method: ``method``, ``model``,
+      ``members``, ``seed``, ``steps``, ``params``, ``train_s`` and the
+      measurements of :func:`evaluate`.
+    """
+    show = progress or (lambda message: None)
+    data = load_quality_data() if data is None else data
+    rows: list[dict[str, Any]] = []
+    total = len(models) * len(members) * len(seeds) * len(methods)
+    index = 0
+    for model in models:
+        for num_members in members:
+            for seed in seeds:
+                for method in methods:
+                    index += 1
+                    show(
+                        f"[{index}/{total}] {model} E={num_members} seed {seed}: "
+                        f"training {method} ({steps} steps)"
+                    )
+                    trained = train_method(
+                        method,
+                        model,
+                        data.x_train,
+                        data.y_train,
+                        num_members=num_members,
+                        steps=steps,
+                        seed=seed,
+                    )
+                    rows.append(
+                        {
+                            "method": method,
+                            "model": model,
+                            "members": num_members,
+                            "seed": seed,
+                            "steps": steps,
+                            "params": trained.params,
+                            "train_s": trained.train_s,
+                            **evaluate(trained, data),
+                        }
+                    )
+    show("")
+    return rows
+
+
+def _mean_std(values: list[float | None]) -> dict[str, float | None]:
+    if any(value is None for value in values):
+        return {"mean": None, "std": None}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+    }
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Means and standard deviations over seeds, per model, E and method.
+
+    >>> from ensembles.benchmark.quality import summarize
+    >>> row = {"method": "single", "model": "mlp", "members": 4, "params": 10,
+    ...        "train_s": 1.0, "in_distribution": {"nll": 0.5},
+    ...        "shift": [{"severity": 1, "nll": 0.7}], "shift_mean": {"nll": 0.7},
+    ...        "ood": {"noise": {"auroc_entropy": 0.6, "auroc_mi": None}}}
+    >>> other = {**row, "in_distribution": {"nll": 0.7}}
+    >>> summary = summarize([row, other])[0]
+    >>> round(summary["in_distribution"]["nll"]["mean"], 6)
+    0.6
+    >>> summary["seeds"], summary["ood"]["noise"]["auroc_mi"]
+    (2, {'mean': None, 'std': None})
+
+    Args:
+      rows: from :func:`run_quality`.
+
+    Returns:
+      One dict per (model, E, method), in first-seen order, with ``seeds``
+      (how many), ``params`` and, for ``train_s`` and every measurement,
+      ``{"mean": m, "std": s}`` (sample standard deviation; 0 for one seed).
+      A ``gap_closed`` entry on ``batchensemble`` rows with a single model and
+      a deep ensemble beside them gives the fraction of the NLL gap from one
+      model to the deep ensemble that it closes, in distribution and under
+      shift (mean over severities).
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["members"], row["method"]), []).append(row)
+    summary = []
+    for (model, members, method), group in groups.items():
+        entry: dict[str, Any] = {
+            "method": method,
+            "model": model,
+            "members": members,
+            "seeds": len(group),
+            "params": group[0]["params"],
+            "train_s": _mean_std([row["train_s"] for row in group]),
+            "in_distribution": {
+                m: _mean_std([row["in_distribution"][m] for row in group])
+                for m in group[0]["in_distribution"]
+            },
+            "shift": [
+                {
+                    "severity": level["severity"],
+                    **{
+                        m: _mean_std([row["shift"][i][m] for row in group])
+                        for m in level
+                        if m != "severity"
+                    },
+                }
+                for i, level in enumerate(group[0]["shift"])
+            ],
+            "shift_mean": {
+                m: _mean_std([row["shift_mean"][m] for row in group])
+                for m in group[0]["shift_mean"]
+            },
+            "ood": {
+                name: {
+                    score: _mean_std([row["ood"][name][score] for row in group])
+                    for score in scores
+                }
+                for name, scores in group[0]["ood"].items()
+            },
+        }
+        summary.append(entry)
+    by_key = {(e["model"], e["members"], e["method"]): e for e in summary}
+    for entry in summary:
+        if entry["method"] != "batchensemble":
+            continue
+        single = by_key.get((entry["model"], entry["members"], "single"))
+        deep = by_key.get((entry["model"], entry["members"], "deep_ensemble"))
+        if single is None or deep is None:
+            continue
+        entry["gap_closed"] = {
+            where: _gap_closed(single[where], entry[where], deep[where])
+            for where in ("in_distribution", "shift_mean")
+            if "nll" in entry[where]
+        }
+    return summary
+
+
+def _gap_closed(single: dict, ensemble: dict, deep: dict) -> float | None:
+    gap = single["nll"]["mean"] - deep["nll"]["mean"]
+    if gap <= 0:
+        return None  # the deep ensemble is no better: there is no gap to close
+    return (single["nll"]["mean"] - ensemble["nll"]["mean"]) / gap

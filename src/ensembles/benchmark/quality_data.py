@@ -1,0 +1,171 @@
+"""MNIST-1D for the quality benchmark, generated offline, with shifted test sets.
+
+MNIST-1D (Greydanus & Kobak, 2024) draws each example procedurally: one of ten
+1-D digit templates, padded, scaled, translated, with correlated and iid noise
+added and sheared, sampled to 40 points. The ``mnist1d`` package builds it with
+``mnist1d.data.make_dataset(args)``, which never touches the network (its
+``get_dataset`` downloads; it is never called here). Every set below is drawn
+from a fixed seed, so the data are the same on every run and machine.
+
+- **in distribution**: the standard arguments (``get_dataset_args()``), a train
+  and a test split;
+- **shift**: five corruption families, each at five severities like
+  CIFAR-10-C's: one argument of the generator turned up (correlated noise, iid
+  noise, shear, scale, translation; :data:`SHIFTS`);
+- **out of distribution**: ``shuffled`` (MNIST-1D's own ``shuffle_seq``: the
+  40 points of every example permuted, no digit left) and ``noise``
+  (standard-normal sequences).
+
+``make_dataset`` standardises each set by its own mean and standard deviation,
+so a shifted set is shifted in shape, not in overall scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from typing import Any
+
+import numpy as np
+
+from ensembles._checks import check_positive_int
+
+__all__ = ["SEVERITIES", "SHIFTS", "QualityData", "load_quality_data"]
+
+#: The corrupted argument of ``mnist1d``'s generator per shift family, and its
+#: value at severities 1-5 (the standard values: corr_noise_scale 0.25,
+#: iid_noise_scale 0.02, shear_scale 0.75, scale_coeff 0.4, max_translation 48).
+SHIFTS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "correlated_noise": ("corr_noise_scale", (0.3, 0.35, 0.4, 0.45, 0.5)),
+    "iid_noise": ("iid_noise_scale", (0.03, 0.045, 0.06, 0.08, 0.1)),
+    "shear": ("shear_scale", (1.0, 1.25, 1.5, 1.75, 2.0)),
+    "scale": ("scale_coeff", (0.6, 0.8, 1.0, 1.2, 1.4)),
+    "translation": ("max_translation", (52, 56, 60, 64, 72)),
+}
+
+#: Shift severities, 1 (mild) to 5 (strong).
+SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+_DATA_SEED = 42  # mnist1d's own default seed: the standard training set
+_INSTALL_HINT = "pip install 'ensembles[bench]' (or pip install mnist1d)"
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityData:
+    """The benchmark's data, float32 ``[N, 40]`` sequences and int32 labels.
+
+    Attributes:
+      x_train: training sequences.
+      y_train: their labels in ``[0, 10)``.
+      x_test: in-distribution test sequences.
+      y_test: their labels.
+      shifted: ``{severity: {family: (x, y)}}`` for every severity in
+        :data:`SEVERITIES` and family in :data:`SHIFTS`.
+      ood: ``{"shuffled": x, "noise": x}``, sequences of no class.
+    """
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    shifted: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]
+    ood: dict[str, np.ndarray]
+
+
+def _mnist1d() -> Any:
+    try:
+        import mnist1d.data
+        import mnist1d.utils
+    except ImportError:
+        raise ImportError(
+            f"the quality benchmark generates MNIST-1D with the `mnist1d` package, "
+            f"which is not installed: {_INSTALL_HINT}"
+        ) from None
+    return mnist1d
+
+
+def _generate(
+    num_samples: int,
+    seed: int,
+    train_split: float,
+    template: dict | None = None,
+    **changes: Any,
+) -> dict[str, np.ndarray]:
+    mnist1d = _mnist1d()
+    args = mnist1d.data.get_dataset_args(as_dict=True)
+    unknown = set(changes) - set(args)
+    if unknown:  # a typo would otherwise silently add an unused field
+        raise ValueError(f"unknown mnist1d arguments {sorted(unknown)}")
+    args.update(num_samples=num_samples, seed=seed, train_split=train_split)
+    args.update(changes)
+    # make_dataset seeds numpy's and Python's global generators; put them back
+    # so that generating data never changes a caller's random state.
+    numpy_state = np.random.get_state()  # noqa: NPY002 (mnist1d's global RNG)
+    python_state = random.getstate()
+    try:
+        return mnist1d.data.make_dataset(mnist1d.utils.ObjectView(args), template)
+    finally:
+        np.random.set_state(numpy_state)  # noqa: NPY002
+        random.setstate(python_state)
+
+
+def _as_arrays(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(x, np.float32), np.asarray(y, np.int32)
+
+
+@functools.lru_cache(maxsize=4)
+def load_quality_data(
+    *, num_train: int = 8000, num_test: int = 2000, num_shifted: int = 1000
+) -> QualityData:
+    """Generates the benchmark's MNIST-1D sets; deterministic and offline.
+
+    Results are cached per size (the arrays are shared: do not write to them).
+
+    >>> from ensembles.benchmark.quality_data import load_quality_data
+    >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
+    >>> data.x_train.shape, data.x_test.shape, sorted(data.ood)
+    ((100, 40), (50, 40), ['noise', 'shuffled'])
+    >>> x, y = data.shifted[5]["shear"]
+    >>> x.shape, y.shape
+    ((20, 40), (20,))
+
+    Args:
+      num_train: training examples (the standard MNIST-1D has 4,000; the
+        benchmark uses 8,000).
+      num_test: in-distribution test examples, and examples of each
+        out-of-distribution set.
+      num_shifted: examples per shift family and severity.
+
+    Returns:
+      The :class:`QualityData`.
+    """
+    for name, value in (
+        ("num_train", num_train),
+        ("num_test", num_test),
+        ("num_shifted", num_shifted),
+    ):
+        if check_positive_int(value, name) % 10:
+            raise ValueError(
+                f"`{name}` must be a multiple of 10 (MNIST-1D draws the same "
+                f"number of examples of each of its 10 classes), got {value}."
+            )
+    # One draw for train and test: disjoint examples of the standard process
+    # (shuffled across classes by make_dataset).
+    main = _generate(num_train + num_test, _DATA_SEED, 1.0)
+    x_train, y_train = _as_arrays(main["x"][:num_train], main["y"][:num_train])
+    x_test, y_test = _as_arrays(main["x"][num_train:], main["y"][num_train:])
+    shifted: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for level, severity in enumerate(SEVERITIES):
+        shifted[severity] = {}
+        for index, (family, (argument, values)) in enumerate(SHIFTS.items()):
+            seed = 1000 + 10 * severity + index
+            drawn = _generate(num_shifted, seed, 0.0, **{argument: values[level]})
+            shifted[severity][family] = _as_arrays(drawn["x_test"], drawn["y_test"])
+    shuffled = _generate(num_test, 999, 0.0, shuffle_seq=True)["x_test"]
+    noise = np.random.default_rng(998).standard_normal(shuffled.shape)
+    ood = {
+        "shuffled": np.asarray(shuffled, np.float32),
+        "noise": np.asarray(noise, np.float32),
+    }
+    return QualityData(x_train, y_train, x_test, y_test, shifted, ood)

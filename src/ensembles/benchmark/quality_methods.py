@@ -1,0 +1,334 @@
+"""The models and methods of the quality benchmark, and how each is trained.
+
+Every method trains the same plain Flax model (:func:`build_quality_model`)
+with the same optimizer, learning rate, batch size B and number of steps:
+
+- ``single``: one model, B examples per step;
+- ``batchensemble``: the model converted by :func:`ensembles.to_batch_ensemble`
+  with the library's defaults, trained by the recipe of ``docs/training.md``:
+  every member sees the same B examples (:func:`ensembles.tile`), the loss is
+  the mean of the member losses (:func:`ensembles.training.cross_entropy`),
+  the fast weights get no weight decay and :data:`FAST_LR_MULTIPLIER` times
+  the learning rate (:func:`ensembles.optim.split_fast_weights`);
+- ``deep_ensemble``: E independently initialised models under ``nnx.vmap``,
+  each on B examples of its own per step
+  (:func:`ensembles.training.member_batches`);
+- ``mc_dropout``: one model with dropout (:data:`DROPOUT_RATE`) after every
+  hidden layer, trained as ``single``; its E "members" are E dropout masks
+  drawn at test time.
+
+Steps are jitted with the batch drawn on the device, so the timings count
+training, not data loading.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.nn.initializers import Initializer
+
+import ensembles
+from ensembles._checks import check_num_members, check_positive_int
+
+__all__ = [
+    "BATCH_SIZE",
+    "DROPOUT_RATE",
+    "FAST_LR_MULTIPLIER",
+    "LEARNING_RATE",
+    "QUALITY_METHODS",
+    "QUALITY_MODELS",
+    "STEPS",
+    "WEIGHT_DECAY",
+    "Trained",
+    "build_quality_model",
+    "train_method",
+]
+
+#: The ``--model`` choices of ``--quality``.
+QUALITY_MODELS: tuple[str, ...] = ("cnn", "mlp")
+
+#: The compared methods, in table order.
+QUALITY_METHODS: tuple[str, ...] = (
+    "single",
+    "batchensemble",
+    "deep_ensemble",
+    "mc_dropout",
+)
+
+#: AdamW's learning rate (constant) and weight decay, for every method.
+LEARNING_RATE: float = 3e-3
+WEIGHT_DECAY: float = 1e-4
+
+#: Examples per step per member, and training steps (25 epochs of 8,000).
+BATCH_SIZE: int = 100
+STEPS: int = 2000
+
+#: The fast weights' learning rate over the shared weights' (the recipe).
+FAST_LR_MULTIPLIER: float = 0.5
+
+#: Dropout rate of ``mc_dropout``.
+DROPOUT_RATE: float = 0.1
+
+_NUM_CLASSES = 10
+_LENGTH = 40
+
+
+def _flatten(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0], -1)
+
+
+def _add_channel(x: jax.Array) -> jax.Array:
+    return x[..., None]
+
+
+def build_quality_model(
+    name: str, *, dropout: float = 0.0, rngs: nnx.Rngs
+) -> nnx.Sequential:
+    """One plain Flax classifier of ``[N, 40]`` MNIST-1D sequences.
+
+    - ``"cnn"``: three 1-D ``nnx.Conv`` of 32 channels (kernel 5, 3, 3;
+      stride 2 each) with ReLUs, flattened, an ``nnx.Linear`` head (10).
+    - ``"mlp"``: ``40 -> 256 -> 256 -> 10`` with ReLUs.
+
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from ensembles.benchmark.quality_methods import build_quality_model
+    >>> build_quality_model("cnn", rngs=nnx.Rngs(0))(jnp.ones((3, 40))).shape
+    (3, 10)
+
+    Args:
+      name: one of :data:`QUALITY_MODELS`.
+      dropout: if > 0, an ``nnx.Dropout`` of this rate after every hidden
+        layer's activation.
+      rngs: rng keys for the parameters (and the dropout masks).
+
+    Returns:
+      The model, an ``nnx.Sequential``.
+
+    Raises:
+      ValueError: if ``name`` is not one of :data:`QUALITY_MODELS`.
+    """
+    if name not in QUALITY_MODELS:
+        raise ValueError(f"`name` must be one of {list(QUALITY_MODELS)}, got {name!r}.")
+
+    def hidden(layer: nnx.Module) -> list:
+        drop = [nnx.Dropout(dropout, rngs=rngs)] if dropout else []
+        return [layer, nnx.relu, *drop]
+
+    if name == "cnn":
+        channels = 32
+        return nnx.Sequential(
+            _add_channel,
+            *hidden(nnx.Conv(1, channels, (5,), strides=2, rngs=rngs)),
+            *hidden(nnx.Conv(channels, channels, (3,), strides=2, rngs=rngs)),
+            *hidden(nnx.Conv(channels, channels, (3,), strides=2, rngs=rngs)),
+            _flatten,
+            nnx.Linear(channels * _LENGTH // 8, _NUM_CLASSES, rngs=rngs),
+        )
+    width = 256
+    return nnx.Sequential(
+        *hidden(nnx.Linear(_LENGTH, width, rngs=rngs)),
+        *hidden(nnx.Linear(width, width, rngs=rngs)),
+        nnx.Linear(width, _NUM_CLASSES, rngs=rngs),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """A trained method.
+
+    Attributes:
+      method: one of :data:`QUALITY_METHODS`.
+      predict: maps ``[N, 40]`` sequences to member logits ``[E, N, 10]``
+        (``[1, N, 10]`` for ``single``), the layout of
+        :mod:`ensembles.uncertainty`.
+      params: parameters of the whole method (all members).
+      train_s: wall-clock seconds of all training steps, the first step's
+        compilation included.
+    """
+
+    method: str
+    predict: Callable[[np.ndarray], jax.Array]
+    params: int
+    train_s: float
+
+
+def _count_params(model: nnx.Module) -> int:
+    return sum(
+        int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param))
+    )
+
+
+def _optimizer(model: nnx.Module, fast: float | None) -> nnx.Optimizer:
+    """AdamW; with a multiplier ``fast``, Adam for the fast weights (the recipe)."""
+    import optax
+
+    shared = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    if fast is not None:
+        tx = ensembles.optim.split_fast_weights(
+            shared, optax.adam(fast * LEARNING_RATE)
+        )
+    else:
+        tx = shared
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def train_method(
+    method: str,
+    model_name: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    *,
+    num_members: int,
+    steps: int = STEPS,
+    seed: int = 0,
+    fast_weight_init: Initializer | None = None,
+    fast_lr_multiplier: float = FAST_LR_MULTIPLIER,
+    tiled: bool = True,
+) -> Trained:
+    """Builds and trains one method; see the module docs for the recipes.
+
+    The last three arguments vary ``batchensemble``'s recipe (the benchmark
+    keeps their defaults; ``benchmarks/quality_recipe.py`` measures them).
+
+    >>> import numpy as np
+    >>> from ensembles.benchmark.quality_methods import train_method
+    >>> x, y = np.zeros((20, 40), np.float32), np.arange(20) % 10
+    >>> trained = train_method("batchensemble", "mlp", x, y, num_members=2,
+    ...                        steps=2)
+    >>> trained.predict(x[:5]).shape
+    (2, 5, 10)
+
+    Args:
+      method: one of :data:`QUALITY_METHODS`.
+      model_name: one of :data:`QUALITY_MODELS`.
+      x_train: ``[N, 40]`` float32 training sequences.
+      y_train: ``[N]`` integer labels.
+      num_members: the ensemble size E (``single`` ignores it).
+      steps: optimizer steps.
+      seed: seed of the parameters, the fast weights, the batches and the
+        dropout masks.
+      fast_weight_init: the fast weights' ``r_init`` and ``s_init``; ``None``
+        keeps the library's default.
+      fast_lr_multiplier: the fast weights' learning rate over the shared
+        weights'.
+      tiled: every member sees the same B examples per step; ``False`` gives
+        each its own B (:func:`ensembles.training.member_batches`).
+
+    Returns:
+      The :class:`Trained` method.
+    """
+    import optax
+
+    if method not in QUALITY_METHODS:
+        raise ValueError(
+            f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
+        )
+    E = check_num_members(num_members)
+    steps = check_positive_int(steps, "steps")
+    x_all, y_all = jnp.asarray(x_train), jnp.asarray(y_train)
+    count = len(x_train)
+    batch = min(BATCH_SIZE, count)
+
+    def draw(key, members):
+        index = ensembles.training.member_batches(
+            key, count, batch_size=batch, num_members=members
+        )
+        return x_all[index], y_all[index]
+
+    if method == "deep_ensemble":
+
+        @nnx.split_rngs(splits=E)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return build_quality_model(model_name, rngs=rngs)
+
+        model = create(nnx.Rngs(seed))
+        members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
+
+        def loss_fn(model, key):
+            x, y = draw(key, E)  # B examples of its own per member
+            logits = members_logits(model, x.reshape(E, batch, -1))
+            return ensembles.training.cross_entropy(
+                logits.reshape(E * batch, -1), y, num_members=E
+            )
+
+        def predict_fn(model, x):
+            return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
+
+    elif method == "batchensemble":
+        inits = (
+            {}
+            if fast_weight_init is None
+            else {
+                "r_init": fast_weight_init,
+                "s_init": fast_weight_init,
+            }
+        )
+        model = ensembles.to_batch_ensemble(
+            build_quality_model(model_name, rngs=nnx.Rngs(seed)),
+            num_members=E,
+            rngs=nnx.Rngs(seed + 1),
+            **inits,
+        )
+
+        def loss_fn(model, key):
+            if tiled:
+                x, y = draw(key, 1)  # the same B examples for every member
+                x = ensembles.tile(x, E)
+            else:
+                x, y = draw(key, E)  # B examples of its own per member
+            return ensembles.training.cross_entropy(model(x), y, num_members=E)
+
+        def predict_fn(model, x):
+            return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+    else:
+        dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
+        model = build_quality_model(model_name, dropout=dropout, rngs=nnx.Rngs(seed))
+
+        def loss_fn(model, key):
+            x, y = draw(key, 1)
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        if method == "mc_dropout":
+
+            def predict_fn(model, x):  # E dropout masks, one per tiled copy
+                return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+        else:
+
+            def predict_fn(model, x):
+                return model(x)[None]
+
+    fast = fast_lr_multiplier if method == "batchensemble" else None
+    optimizer = _optimizer(model, fast)
+
+    @nnx.jit
+    def train_step(model, optimizer, key):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, key)
+        optimizer.update(model, grads)
+        return loss
+
+    keys = jax.random.split(jax.random.key(seed), steps)
+    start = time.perf_counter()
+    for step in range(steps):
+        loss = train_step(model, optimizer, keys[step])
+    jax.block_until_ready(loss)
+    train_s = time.perf_counter() - start
+    if method != "mc_dropout":
+        model.eval()  # (no method but mc_dropout has dropout or norms)
+    predict = nnx.jit(predict_fn)
+    return Trained(
+        method=method,
+        predict=lambda x: predict(model, jnp.asarray(x)),
+        params=_count_params(model),
+        train_s=train_s,
+    )

@@ -1,0 +1,137 @@
+"""The speed benchmark: every method timed for every model, mode and E.
+
+``ensembles-bench`` (without ``--quality``) prints what :func:`run_benchmark`
+returns; see :mod:`ensembles.benchmark.methods` for the methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ensembles.benchmark.methods import METHODS, MODES, prepare_method
+from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS
+from ensembles.benchmark.timing import interleaved_times, median, quartiles
+
+__all__ = ["run_benchmark"]
+
+
+def run_benchmark(
+    *,
+    models: Sequence[str] = ("mlp",),
+    modes: Sequence[str] = MODES,
+    members: Sequence[int] = (1, 2, 4, 8),
+    batch: int = 128,
+    width: int | None = None,
+    image_size: int = DEFAULT_IMAGE_SIZE,
+    impl: str = "auto",
+    repeats: int = 10,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Times every method for every model, mode and E; returns one row each.
+
+    The four methods of one (model, mode, E) are compiled, then timed in
+    interleaved rounds (2 untimed warm-up calls each). Every ratio is a ratio
+    of the printed medians; "the deep ensemble" of the ratios is the faster of
+    ``deep_ensemble`` (vmap) and ``deep_ensemble_loop``.
+
+    >>> from ensembles.benchmark import run_benchmark
+    >>> rows = run_benchmark(models=["linear"], modes=["forward"], members=[2],
+    ...                      batch=2, width=4, repeats=2)
+    >>> [row["method"] for row in rows]
+    ['single', 'batchensemble', 'deep_ensemble', 'deep_ensemble_loop']
+    >>> rows[2]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
+    (True, 1.0)
+
+    Args:
+      models: names from :data:`~ensembles.benchmark.MODELS`.
+      modes: names from :data:`~ensembles.benchmark.MODES`.
+      members: ensemble sizes E.
+      batch: samples per member B.
+      width: see :func:`~ensembles.benchmark.build_model`.
+      image_size: the CNN's image height and width.
+      impl: the BatchEnsemble op implementation.
+      repeats: timed rounds.
+      seed: seed of parameters and data.
+      progress: called with a status line before each stage, and with ``""``
+        at the end.
+
+    Returns:
+      Rows (dicts) with the method, the configuration, times (``median_s``,
+      ``q1_s``, ``q3_s``, ``times_s``), ``samples_per_s``, ratios of medians
+      (``ratio_to_single``; ``speedup_vs_deep_ensemble`` and
+      ``speedup_vs_deep_ensemble_loop``; ``speedup_vs_best_deep_ensemble``
+      over the faster of the two, named in ``best_deep_ensemble``),
+      ``params``, ``param_bytes`` and XLA's memory analysis
+      (``argument_bytes``, ``output_bytes``, ``alias_bytes``, ``temp_bytes``,
+      ``total_bytes``), with the parameter and memory ratios to the faster
+      deep ensemble.
+    """
+    show = progress or (lambda message: None)
+    rows: list[dict[str, Any]] = []
+    groups = [(m, d, e) for m in models for d in modes for e in members]
+    for index, (model, mode, num_members) in enumerate(groups, 1):
+        where = f"[{index}/{len(groups)}] {model} {mode} E={num_members}"
+        prepared = {}
+        for method in METHODS:
+            show(f"{where}: compiling {method}")
+            prepared[method] = prepare_method(
+                method,
+                model,
+                mode,
+                num_members=num_members,
+                batch=batch,
+                width=width,
+                image_size=image_size,
+                impl=impl,
+                seed=seed,
+            )
+        show(f"{where}: timing {repeats} rounds")
+        times = interleaved_times(
+            {method: p.step for method, p in prepared.items()}, repeats
+        )
+        medians = {method: median(values) for method, values in times.items()}
+        best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
+        deep = prepared[best]
+        for method, p in prepared.items():
+            median_s = medians[method]
+            q1, q3 = quartiles(times[method])
+            rows.append(
+                {
+                    "method": method,
+                    "model": model,
+                    "mode": mode,
+                    "members": num_members,
+                    "batch": batch,
+                    "width": DEFAULT_WIDTHS[model] if width is None else width,
+                    "impl": impl,
+                    "samples": num_members * batch,
+                    "median_s": median_s,
+                    "q1_s": q1,
+                    "q3_s": q3,
+                    "samples_per_s": num_members * batch / median_s,
+                    "ratio_to_single": median_s / medians["single"],
+                    "speedup_vs_deep_ensemble": medians["deep_ensemble"] / median_s,
+                    "speedup_vs_deep_ensemble_loop": (
+                        medians["deep_ensemble_loop"] / median_s
+                    ),
+                    "best_deep_ensemble": best,
+                    "speedup_vs_best_deep_ensemble": medians[best] / median_s,
+                    "params": p.num_params,
+                    "param_bytes": p.param_bytes,
+                    "params_ratio_to_deep_ensemble": p.num_params / deep.num_params,
+                    "argument_bytes": p.memory.argument_bytes,
+                    "output_bytes": p.memory.output_bytes,
+                    "alias_bytes": p.memory.alias_bytes,
+                    "temp_bytes": p.memory.temp_bytes,
+                    "total_bytes": p.memory.total_bytes,
+                    "memory_ratio_to_deep_ensemble": (
+                        p.memory.total_bytes / deep.memory.total_bytes
+                    ),
+                    "times_s": times[method],
+                }
+            )
+        del prepared
+    show("")
+    return rows

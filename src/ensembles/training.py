@@ -1,0 +1,162 @@
+"""The two pieces of the BatchEnsemble training recipe users would hand-write.
+
+A BatchEnsemble trains on one member-major ``[E*B, ...]`` batch, rows
+``[k*B, (k+1)*B)`` member ``k``'s. What each member sees is either the same
+``B`` examples (:func:`ensembles.tile`, the standard recipe) or ``B`` examples
+of its own (:func:`member_batches`), and the loss is the mean of the members'
+losses (:func:`cross_entropy`), so that each member's own parameters get the
+gradient of its own loss and the shared ones the average over members. See
+``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ensembles._checks import check_member_batch, check_num_members, check_positive_int
+
+__all__ = ["cross_entropy", "member_batches"]
+
+
+def cross_entropy(
+    logits: jax.Array, labels: jax.Array, *, num_members: int
+) -> jax.Array:
+    """The mean over members of each member's mean softmax cross entropy.
+
+    ``logits`` are a model's member-major ``[E*B, C]`` outputs, or the
+    ``[E, B, C]`` member logits of :class:`ensembles.Ensemble` (or of
+    :func:`ensembles.untile`). ``labels`` are either the ``[B]`` labels of a
+    tiled batch (every member saw the same examples; they are tiled here, the
+    step users forget) or the ``[E*B]`` labels of member-major batches such as
+    :func:`member_batches` draws. The loss is computed in at least float32,
+    whatever the logits' dtype.
+
+    >>> import jax.numpy as jnp
+    >>> import ensembles
+    >>> logits = jnp.array([[2.0, 0.0], [0.0, 2.0],     # member 0, B = 2
+    ...                     [2.0, 0.0], [2.0, 0.0]])    # member 1
+    >>> labels = jnp.array([0, 1])                      # the tiled batch's
+    >>> loss = ensembles.training.cross_entropy(logits, labels, num_members=2)
+    >>> round(float(loss), 4)   # members' means 0.1269 and 1.1269
+    0.6269
+    >>> float(ensembles.training.cross_entropy(
+    ...     logits.reshape(2, 2, 2), labels, num_members=2)) == float(loss)
+    True
+
+    Args:
+      logits: ``[E*B, C]`` member-major logits or ``[E, B, C]`` member logits.
+      labels: integer class indices, ``[B]`` (tiled batch) or ``[E*B]``.
+      num_members: the ensemble size E.
+
+    Returns:
+      The scalar loss. Labels outside ``[0, C)`` raise a ``ValueError`` when
+      their values are known and make the loss NaN under :func:`jax.jit`.
+
+    Raises:
+      ValueError: if the shapes do not match as above, or a known label is out
+        of range.
+      TypeError: if ``labels`` are not integers.
+    """
+    num_members = check_num_members(num_members)
+    logits = jnp.asarray(logits)
+    labels = jnp.asarray(labels)
+    if logits.ndim == 3:
+        if logits.shape[0] != num_members:
+            raise ValueError(
+                f"`logits` of shape {tuple(logits.shape)} read as [E, B, C] must "
+                f"have E = num_members = {num_members} members on axis 0."
+            )
+        logits = logits.reshape(-1, logits.shape[-1])
+    elif logits.ndim != 2:
+        raise ValueError(
+            f"`logits` must be member-major [E*B, C] or [E, B, C], got shape "
+            f"{tuple(logits.shape)}."
+        )
+    batch = check_member_batch(logits.shape[0], num_members, name="logits.shape[0]")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"`labels` must be integer class indices, got dtype {labels.dtype}: "
+            f"for one-hot labels pass `labels.argmax(-1)`."
+        )
+    if labels.shape == (batch,) and num_members > 1:
+        labels = jnp.tile(labels, num_members)
+    elif labels.shape != (logits.shape[0],):
+        raise ValueError(
+            f"`labels` must have shape [B] = ({batch},) (a tiled batch) or "
+            f"[E*B] = ({logits.shape[0]},) (member-major batches) to match "
+            f"`logits` with num_members={num_members}, got shape "
+            f"{tuple(labels.shape)}."
+        )
+    num_classes = logits.shape[1]
+    try:
+        values = np.asarray(labels)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    if values is not None and values.size:
+        bad = (values < 0) | (values >= num_classes)
+        if bad.any():
+            index = int(np.argmax(bad))
+            raise ValueError(
+                f"`labels` must lie in [0, C) = [0, {num_classes}), got "
+                f"{int(values[index])} at row {index}."
+            )
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    log_probs = jax.nn.log_softmax(logits.astype(dtype), axis=-1)
+    picked = jnp.take_along_axis(
+        log_probs, labels[:, None], axis=-1, mode="fill", fill_value=jnp.nan
+    )[:, 0]
+    # Every member has B rows, so the mean over all rows is the mean of the
+    # members' means.
+    return -jnp.mean(picked)
+
+
+def member_batches(
+    key: jax.Array, num_examples: int, *, batch_size: int, num_members: int
+) -> jax.Array:
+    """Indices of E independent batches, one per member, member-major.
+
+    Member ``k`` gets ``batch_size`` examples drawn without replacement from
+    ``range(num_examples)``, independently of the other members (as each
+    member of a deep ensemble would): ``x[indices]`` is an ``[E*B, ...]``
+    batch whose rows ``[k*B, (k+1)*B)`` are member ``k``'s. Each member's
+    batch is the ``batch_size`` largest of ``num_examples`` uniform random
+    keys (``jax.lax.top_k``; a uniformly random subset, in random order), so a
+    call costs ``O(E * num_examples)`` and no sort: about 0.4 ms for E = 4 of
+    8,000 examples on a 2-core CPU, where one ``jax.random.permutation`` per
+    member takes 13 ms.
+
+    >>> import jax
+    >>> import ensembles
+    >>> indices = ensembles.training.member_batches(
+    ...     jax.random.key(0), 10, batch_size=3, num_members=2)
+    >>> indices.shape, str(indices.dtype)
+    ((6,), 'int32')
+    >>> len(set(indices[:3].tolist())), len(set(indices[3:].tolist()))
+    (3, 3)
+
+    Args:
+      key: a JAX random key.
+      num_examples: the size of the data set.
+      batch_size: examples per member, B (at most ``num_examples``).
+      num_members: the ensemble size E.
+
+    Returns:
+      An int32 ``[E*B]`` array of indices.
+
+    Raises:
+      ValueError: if ``batch_size`` exceeds ``num_examples`` or a size is
+        not a positive int.
+    """
+    num_members = check_num_members(num_members)
+    num_examples = check_positive_int(num_examples, "num_examples")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if batch_size > num_examples:
+        raise ValueError(
+            f"`batch_size` (={batch_size}) must be at most `num_examples` "
+            f"(={num_examples}): each member draws without replacement."
+        )
+    keys = jax.random.uniform(key, (num_members, num_examples))
+    _, indices = jax.lax.top_k(keys, batch_size)
+    return indices.reshape(-1).astype(jnp.int32)

@@ -26,3 +26,12 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def _rank_promotion_raise():
     with jax.numpy_rank_promotion("raise"):
         yield
+
+
+@pytest.fixture
+def x64():
+    """Enables float64 for one test (and restores the setting)."""
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)

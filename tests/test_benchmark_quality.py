@@ -1,5 +1,6 @@
 """Tests of ``ensembles-bench --quality``: its data, methods, metrics and output."""
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -9,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
 from ensembles.benchmark.quality import METRICS, evaluate, summarize
@@ -35,16 +37,47 @@ def data():
 
 
 @pytest.fixture
-def offline(monkeypatch):
-    """Any attempt to open a network connection fails the test."""
+def offline(monkeypatch, tmp_path):
+    """Fails the test if anything tries the network or mnist1d's downloader.
 
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"the network was touched: {args!r}")
+    Every attempt is recorded and checked at teardown, so a caller that
+    swallows the exception (mnist1d's ``get_dataset`` wraps its download in a
+    bare ``except:``) cannot hide it. Runs in an empty directory, where
+    ``get_dataset`` would leave its pickle.
+    """
+    import mnist1d.data
+    import requests
 
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    attempts = []
+
+    def refuse(name):
+        def refused(*args, **kwargs):
+            attempts.append((name, args))
+            raise OSError(f"offline test: {name} called")
+
+        return refused
+
+    monkeypatch.setattr(socket.socket, "connect", refuse("socket.connect"))
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse("socket.connect_ex"))
+    monkeypatch.setattr(socket, "create_connection", refuse("create_connection"))
+    monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
+    monkeypatch.setattr(requests, "get", refuse("requests.get"))
+    monkeypatch.setattr(requests.Session, "request", refuse("requests.request"))
+    monkeypatch.setattr(mnist1d.data, "get_dataset", refuse("mnist1d get_dataset"))
+    monkeypatch.chdir(tmp_path)
+    yield attempts
+    assert attempts == [], f"the network was touched: {attempts}"
+    assert not list(tmp_path.glob("*.pkl")), "mnist1d wrote its download cache"
+
+
+def test_offline_fixture_records_a_swallowed_download(offline):
+    # What mnist1d's get_dataset does: a download inside a bare except.
+    import requests
+
+    with contextlib.suppress(Exception):
+        requests.get("https://example.invalid/mnist1d_data.pkl")
+    assert offline == [("requests.get", ("https://example.invalid/mnist1d_data.pkl",))]
+    offline.clear()  # (else the fixture's teardown fails this test)
 
 
 # ---------------------------------------------------------------- data
@@ -54,10 +87,7 @@ def _arrays(data):
     return jax.tree.leaves(dataclasses.asdict(data))
 
 
-def test_data_is_offline_deterministic_and_leaves_no_trace(
-    offline, tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)  # mnist1d's get_dataset would write a pickle here
+def test_data_is_offline_deterministic_and_leaves_no_trace(offline, tmp_path):
     np.random.seed(123)  # noqa: NPY002 (the global state mnist1d touches)
     random.seed(123)
     numpy_state = np.random.get_state()  # noqa: NPY002
@@ -168,6 +198,31 @@ def test_methods_are_what_they_claim(data):
         assert not np.allclose(logits[0], logits[1]), method
     for t in trained.values():
         assert t.train_s > 0
+
+
+@pytest.mark.parametrize(
+    "method, options, draws",
+    [
+        ("single", {}, 1),
+        ("mc_dropout", {}, 1),
+        ("batchensemble", {}, 1),  # one batch, tiled for every member
+        ("batchensemble", {"tiled": False}, 3),  # a batch of its own each
+        ("deep_ensemble", {}, 3),
+    ],
+)
+def test_what_each_member_sees(data, monkeypatch, method, options, draws):
+    calls = []
+    original = ensembles.training.member_batches
+
+    def recording(key, count, *, batch_size, num_members):
+        calls.append((count, batch_size, num_members))
+        return original(key, count, batch_size=batch_size, num_members=num_members)
+
+    monkeypatch.setattr(ensembles.training, "member_batches", recording)
+    train_method(
+        method, "mlp", data.x_train, data.y_train, num_members=3, steps=2, **options
+    )
+    assert calls == [(200, 100, draws)]  # traced once, B = 100 per member
 
 
 def test_training_reduces_the_loss_and_is_seeded(data):

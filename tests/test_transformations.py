@@ -87,14 +87,6 @@ LAYERS = {
 WEIGHT_LAYERS = ["linear", "linear_general", "einsum", "conv", "conv_transpose"]
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _setup(name):
     """``(layer_fn, reference_fn, params, x)``; the functions take ``(params, x)``."""
     make, shape = LAYERS[name]

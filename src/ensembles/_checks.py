@@ -9,6 +9,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import jax
+import numpy as np
+
 
 def check_positive_int(value: Any, name: str) -> int:
     """Returns ``value`` as an ``int`` if it is an integer >= 1, else raises."""
@@ -97,3 +100,22 @@ def check_member_params(
                 f"`{name}` must have shape [num_members, features] = "
                 f"{tuple(expected)}, got {tuple(array.shape)}."
             )
+
+
+def check_known_labels(labels: Any, num_classes: int) -> None:
+    """Raises if integer ``labels`` whose values are known lie outside [0, C).
+
+    Under ``jax.jit`` the values are not known and nothing is checked (the
+    callers make such labels give NaN instead).
+    """
+    try:
+        values = np.asarray(labels)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    bad = (values < 0) | (values >= num_classes)
+    if bad.any():
+        index = int(np.argmax(bad))
+        raise ValueError(
+            f"`labels` must lie in [0, C) = [0, {num_classes}), got "
+            f"labels[{index}] = {int(values[index])}."
+        )

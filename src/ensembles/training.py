@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ensembles._checks import check_member_batch, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_known_labels,
+    check_member_batch,
+    check_num_members,
+    check_positive_int,
+)
 
 __all__ = ["cross_entropy", "member_batches"]
 
@@ -90,18 +94,10 @@ def cross_entropy(
             f"{tuple(labels.shape)}."
         )
     num_classes = logits.shape[1]
-    try:
-        values = np.asarray(labels)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
-    if values is not None and values.size:
-        bad = (values < 0) | (values >= num_classes)
-        if bad.any():
-            index = int(np.argmax(bad))
-            raise ValueError(
-                f"`labels` must lie in [0, C) = [0, {num_classes}), got "
-                f"{int(values[index])} at row {index}."
-            )
+    check_known_labels(labels, num_classes)
+    # Out-of-range labels (negative ones too, which a gather would wrap) pick
+    # the fill value: the loss is NaN, never a finite wrong number.
+    labels = jnp.where((labels < 0) | (labels >= num_classes), num_classes, labels)
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
     log_probs = jax.nn.log_softmax(logits.astype(dtype), axis=-1)
     picked = jnp.take_along_axis(

@@ -162,15 +162,6 @@ OPS = {
 }
 
 
-@pytest.fixture
-def x64():
-    """Enables float64 for one test (and restores the setting)."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _operands(name, dtype, seed=0):
     rng = np.random.default_rng(seed)
     shapes = OPS[name][2]

@@ -60,8 +60,8 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
       ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
       metric: value, ...}, ...], "shift_mean": {metric: mean over
       severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a}}}``.
-      ``auroc_mi`` is ``None`` for ``single``: one model has no mutual
-      information (it is 0 everywhere).
+      ``auroc_mi`` is ``None`` where there is one member (``single``, or
+      E = 1): its mutual information is 0 everywhere.
     """
     logits_in = trained.predict(data.x_test)
     result: dict[str, Any] = {"in_distribution": _metrics(logits_in, data.y_test)}
@@ -86,8 +86,8 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
         ood[name] = {
             "auroc_entropy": _auroc(uncertainty.total_entropy, logits_in, logits_out),
             "auroc_mi": (
-                None
-                if trained.method == "single"
+                None  # one member: mutual information is 0 everywhere
+                if logits_in.shape[0] == 1
                 else _auroc(uncertainty.mutual_information, logits_in, logits_out)
             ),
         }
@@ -142,24 +142,35 @@ def run_quality(
     rows: list[dict[str, Any]] = []
     total = len(models) * len(members) * len(seeds) * len(methods)
     index = 0
+    # `single` does not depend on E: trained once per model and seed, its row
+    # repeated for every E.
+    singles: dict[tuple[str, int], dict[str, Any]] = {}
     for model in models:
         for num_members in members:
             for seed in seeds:
                 for method in methods:
                     index += 1
-                    show(
-                        f"[{index}/{total}] {model} E={num_members} seed {seed}: "
-                        f"training {method} ({steps} steps)"
-                    )
-                    trained = train_method(
-                        method,
-                        model,
-                        data.x_train,
-                        data.y_train,
-                        num_members=num_members,
-                        steps=steps,
-                        seed=seed,
-                    )
+                    where = f"[{index}/{total}] {model} E={num_members} seed {seed}"
+                    if method == "single" and (model, seed) in singles:
+                        measured = singles[(model, seed)]
+                    else:
+                        show(f"{where}: training {method} ({steps} steps)")
+                        trained = train_method(
+                            method,
+                            model,
+                            data.x_train,
+                            data.y_train,
+                            num_members=num_members,
+                            steps=steps,
+                            seed=seed,
+                        )
+                        measured = {
+                            "params": trained.params,
+                            "train_s": trained.train_s,
+                            **evaluate(trained, data),
+                        }
+                        if method == "single":
+                            singles[(model, seed)] = measured
                     rows.append(
                         {
                             "method": method,
@@ -167,9 +178,7 @@ def run_quality(
                             "members": num_members,
                             "seed": seed,
                             "steps": steps,
-                            "params": trained.params,
-                            "train_s": trained.train_s,
-                            **evaluate(trained, data),
+                            **measured,
                         }
                     )
     show("")

@@ -12,9 +12,9 @@ from a fixed seed, so the data are the same on every run and machine.
 - **shift**: five corruption families, each at five severities like
   CIFAR-10-C's: one argument of the generator turned up (correlated noise, iid
   noise, shear, scale, translation; :data:`SHIFTS`);
-- **out of distribution**: ``shuffled`` (MNIST-1D's own ``shuffle_seq``: the
-  40 points of every example permuted, no digit left) and ``noise``
-  (standard-normal sequences).
+- **out of distribution**: ``shuffled`` (MNIST-1D's own ``shuffle_seq``: one
+  fixed permutation of the 40 positions, the same for every sequence, which no
+  model was trained on) and ``noise`` (standard-normal sequences).
 
 ``make_dataset`` standardises each set by its own mean and standard deviation,
 so a shifted set is shifted in shape, not in overall scale.
@@ -47,7 +47,7 @@ SHIFTS: dict[str, tuple[str, tuple[float, ...]]] = {
 #: Shift severities, 1 (mild) to 5 (strong).
 SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
 
-_DATA_SEED = 42  # mnist1d's own default seed: the standard training set
+_DATA_SEED = 42  # mnist1d's own default seed (our sets are larger than its 5,000)
 _INSTALL_HINT = "pip install 'ensembles[bench]' (or pip install mnist1d)"
 
 

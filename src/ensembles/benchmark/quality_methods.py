@@ -235,6 +235,11 @@ def train_method(
     x_all, y_all = jnp.asarray(x_train), jnp.asarray(y_train)
     count = len(x_train)
     batch = min(BATCH_SIZE, count)
+    # One root key per seed, one independent stream per use (no key is ever
+    # used twice: the parameters, the fast weights and the batches of a seed,
+    # or of two seeds, never share a draw).
+    root = jax.random.key(seed)
+    params_key, fast_key, batches_key = (jax.random.fold_in(root, i) for i in range(3))
 
     def draw(key, members):
         index = ensembles.training.member_batches(
@@ -249,7 +254,7 @@ def train_method(
         def create(rngs):
             return build_quality_model(model_name, rngs=rngs)
 
-        model = create(nnx.Rngs(seed))
+        model = create(nnx.Rngs(params_key))
         members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
 
         def loss_fn(model, key):
@@ -272,9 +277,9 @@ def train_method(
             }
         )
         model = ensembles.to_batch_ensemble(
-            build_quality_model(model_name, rngs=nnx.Rngs(seed)),
+            build_quality_model(model_name, rngs=nnx.Rngs(params_key)),
             num_members=E,
-            rngs=nnx.Rngs(seed + 1),
+            rngs=nnx.Rngs(fast_key),
             **inits,
         )
 
@@ -291,7 +296,9 @@ def train_method(
 
     else:
         dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
-        model = build_quality_model(model_name, dropout=dropout, rngs=nnx.Rngs(seed))
+        model = build_quality_model(
+            model_name, dropout=dropout, rngs=nnx.Rngs(params_key)
+        )
 
         def loss_fn(model, key):
             x, y = draw(key, 1)
@@ -317,7 +324,7 @@ def train_method(
         optimizer.update(model, grads)
         return loss
 
-    keys = jax.random.split(jax.random.key(seed), steps)
+    keys = jax.random.split(batches_key, steps)
     start = time.perf_counter()
     for step in range(steps):
         loss = train_step(model, optimizer, keys[step])

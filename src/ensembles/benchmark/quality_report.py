@@ -10,7 +10,7 @@ from typing import Any
 
 from ensembles.benchmark.quality_data import SEVERITIES
 
-__all__ = ["format_quality"]
+__all__ = ["format_quality", "write_quality_plot"]
 
 # (header, where in a summary entry, metric); "shift" = mean over severities.
 _COLUMNS: tuple[tuple[str, str, str], ...] = (

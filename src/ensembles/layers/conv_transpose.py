@@ -93,8 +93,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
       kernel_init: initializer for the shared ``[*kernel_size, in, out]``
         kernel (``[*kernel_size, out, in]`` with ``transpose_kernel=True``).
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
-      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.75)).
-      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.75)).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.6)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.6)).
       transpose_kernel: if True, flip the kernel's spatial axes and swap its
         channel axes, as ``jax.lax.conv_transpose`` does.
       promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
@@ -243,8 +243,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
           layer: the pretrained ``nnx.ConvTranspose``.
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights.
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.6)).
+          s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself.
           impl: the op implementation.

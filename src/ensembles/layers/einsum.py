@@ -97,9 +97,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
       kernel_init: initializer for the shared kernel (default: LeCun normal).
       bias_init: initializer for the ``[E, *bias_shape]`` bias (default: zeros).
       r_init: initializer for the ``[E, *contracted dims]`` fast weights
-        (default: N(1, 0.75)).
+        (default: N(1, 0.6)).
       s_init: initializer for the ``[E, *kept dims]`` fast weights (default:
-        N(1, 0.75)).
+        N(1, 0.6)).
       promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
         common dtype, called with a ``dtype`` keyword (default: Flax's).
       preferred_element_type: accumulation/output dtype of the contraction.
@@ -232,8 +232,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
           layer: the pretrained ``nnx.Einsum``.
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights.
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.6)).
+          s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.

@@ -81,8 +81,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       kernel_init: initializer for the shared ``[in, out]`` kernel (default:
         ``nnx.Linear``'s, LeCun normal).
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
-      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.75)).
-      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.75)).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.6)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.6)).
       promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
         common dtype, called with a ``dtype`` keyword (default: Flax's).
       preferred_element_type: accumulation/output dtype of the matmul, see
@@ -211,8 +211,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
           linear: the pretrained layer.
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights.
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.6)).
+          s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``linear``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.

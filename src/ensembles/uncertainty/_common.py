@@ -11,7 +11,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from ensembles._checks import check_known_labels
 
 # --------------------------------------------------------------------------- checks
 
@@ -69,18 +70,7 @@ def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
         )
     # Out-of-range labels would be silently clipped or filled by the gathers
     # below; check them whenever their values are known (not under jit).
-    try:
-        values = np.asarray(labels)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
-    if values is not None:
-        bad = (values < 0) | (values >= num_classes)
-        if bad.any():
-            index = int(np.argmax(bad))
-            raise ValueError(
-                f"`labels` must lie in [0, C) = [0, {num_classes}), got "
-                f"labels[{index}] = {int(values[index])}."
-            )
+    check_known_labels(labels, num_classes)
     return labels
 
 

@@ -12,10 +12,8 @@ ensemble, over several seeds, and prints a Markdown table of means.
 import argparse
 import sys
 
-import numpy as np
-
 import ensembles
-from ensembles.benchmark.quality import evaluate
+from ensembles.benchmark.quality import _gap_closed, evaluate, summarize
 from ensembles.benchmark.quality_data import load_quality_data
 from ensembles.benchmark.quality_methods import FAST_LR_MULTIPLIER, train_method
 
@@ -65,7 +63,6 @@ def main(argv=None):
     rows = []
     for name in args.recipes:
         method, overrides = RECIPES[name]
-        results = []
         for seed in range(args.seeds):
             print(f"{name}, seed {seed}", file=sys.stderr, flush=True)
             trained = train_method(
@@ -77,21 +74,28 @@ def main(argv=None):
                 seed=seed,
                 **overrides,
             )
-            results.append(evaluate(trained, data))
-        rows.append((name, results))
-
-    def mean(results, get):
-        values = [get(r) for r in results]
-        return None if None in values else float(np.mean(values))
+            # summarize groups by "method": one group per recipe name.
+            rows.append(
+                {
+                    "method": name,
+                    "model": args.model,
+                    "members": args.members,
+                    "seed": seed,
+                    "params": trained.params,
+                    "train_s": trained.train_s,
+                    **evaluate(trained, data),
+                }
+            )
+    summary = {entry["method"]: entry for entry in summarize(rows)}
 
     columns = {
-        "acc": lambda r: r["in_distribution"]["accuracy"],
-        "NLL": lambda r: r["in_distribution"]["nll"],
-        "ECE": lambda r: r["in_distribution"]["ece"],
-        "shift NLL": lambda r: r["shift_mean"]["nll"],
-        "shift ECE": lambda r: r["shift_mean"]["ece"],
-        "shift 5 NLL": lambda r: r["shift"][-1]["nll"],
-        "shuffled AUROC MI": lambda r: r["ood"]["shuffled"]["auroc_mi"],
+        "acc": lambda e: e["in_distribution"]["accuracy"],
+        "NLL": lambda e: e["in_distribution"]["nll"],
+        "ECE": lambda e: e["in_distribution"]["ece"],
+        "shift NLL": lambda e: e["shift_mean"]["nll"],
+        "shift ECE": lambda e: e["shift_mean"]["ece"],
+        "shift 5 NLL": lambda e: e["shift"][-1]["nll"],
+        "shuffled AUROC MI": lambda e: e["ood"]["shuffled"]["auroc_mi"],
     }
     print(
         f"{args.model}, E={args.members}, mean of {args.seeds} seeds; the recipe: "
@@ -102,19 +106,17 @@ def main(argv=None):
     print()
     print("| recipe | " + " | ".join(columns) + " | gap |")
     print("|:---|" + "---:|" * (len(columns) + 1))
-    by_name = dict(rows)
-    ends = [by_name.get(name) for name in ("single", "deep_ensemble")]
-    for name, results in rows:
+    single, deep = summary.get("single"), summary.get("deep_ensemble")
+    for name, entry in summary.items():
         cells = []
         for get in columns.values():
-            value = mean(results, get)
+            value = get(entry)["mean"]
             cells.append("n/a" if value is None else f"{value:.3f}")
-        if None in ends:  # run single and deep_ensemble too for the gap
-            cells.append("n/a")
-        else:
-            single, deep = (mean(end, columns["shift NLL"]) for end in ends)
-            gap = (single - mean(results, columns["shift NLL"])) / (single - deep)
-            cells.append(f"{gap:.0%}")
+        gap = None
+        if single is not None and deep is not None:  # run both for the gap
+            where = "shift_mean"
+            gap = _gap_closed(single[where], entry[where], deep[where])
+        cells.append("n/a" if gap is None else f"{gap:.0%}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

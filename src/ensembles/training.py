@@ -20,6 +20,7 @@ from ensembles._checks import (
     check_num_members,
     check_positive_int,
 )
+from ensembles.members import tile
 
 __all__ = ["cross_entropy", "member_batches"]
 
@@ -85,7 +86,7 @@ def cross_entropy(
             f"for one-hot labels pass `labels.argmax(-1)`."
         )
     if labels.shape == (batch,) and num_members > 1:
-        labels = jnp.tile(labels, num_members)
+        labels = tile(labels, num_members)
     elif labels.shape != (logits.shape[0],):
         raise ValueError(
             f"`labels` must have shape [B] = ({batch},) (a tiled batch) or "

@@ -35,6 +35,7 @@ from jax.nn.initializers import Initializer
 
 import ensembles
 from ensembles._checks import check_num_members, check_positive_int
+from ensembles.benchmark.methods import _count
 
 __all__ = [
     "BATCH_SIZE",
@@ -157,12 +158,6 @@ class Trained:
     predict: Callable[[np.ndarray], jax.Array]
     params: int
     train_s: float
-
-
-def _count_params(model: nnx.Module) -> int:
-    return sum(
-        int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param))
-    )
 
 
 def _optimizer(model: nnx.Module, fast: float | None) -> nnx.Optimizer:
@@ -336,6 +331,6 @@ def train_method(
     return Trained(
         method=method,
         predict=lambda x: predict(model, jnp.asarray(x)),
-        params=_count_params(model),
+        params=_count(nnx.state(model, nnx.Param))[0],
         train_s=train_s,
     )

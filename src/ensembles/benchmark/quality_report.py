@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ensembles.benchmark.quality_data import SEVERITIES
+from ensembles.benchmark.report import render_table
 
 __all__ = ["format_quality", "write_quality_plot"]
 
@@ -108,27 +109,6 @@ def _gap_line(group: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _render(header: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |"]
-        lines.append(
-            "|"
-            + "|".join(":---" if i == 0 else "---:" for i in range(len(header)))
-            + "|"
-        )
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [header, *rows]
-    ]
-    return "\n".join(lines)
-
-
 def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> str:
     """The quality tables: metrics per method, then NLL / ECE per severity.
 
@@ -173,7 +153,11 @@ def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> 
     blocks = []
     for group in _groups(summary).values():
         title = f"**{_title(group)}**" if markdown else _title(group)
-        block = [title, "", _render(*_main_table(group), markdown)]
+        block = [
+            title,
+            "",
+            render_table(*_main_table(group), markdown=markdown, left=0),
+        ]
         gap = _gap_line(group)
         if gap:
             block += ["", gap]
@@ -181,7 +165,7 @@ def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> 
             "",
             "NLL / ECE by shift severity (test = in distribution):",
             "",
-            _render(*_severity_table(group), markdown),
+            render_table(*_severity_table(group), markdown=markdown, left=0),
         ]
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)

@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import platform
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -86,6 +87,46 @@ def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
     return title
 
 
+def render_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool, left: int
+) -> str:
+    """One table of string cells: aligned text, or Markdown.
+
+    >>> from ensembles.benchmark.report import render_table
+    >>> print(render_table(["method", "ms"], [["single", "1.5"]], markdown=False,
+    ...                    left=0))
+    method   ms
+    single  1.5
+    >>> print(render_table(["method", "ms"], [["single", "1.5"]], markdown=True,
+    ...                    left=0))
+    | method | ms |
+    |:---|---:|
+    | single | 1.5 |
+
+    Args:
+      header: the column names.
+      rows: the rows' cells.
+      markdown: a Markdown table instead of aligned text.
+      left: the one column aligned left (the others align right).
+
+    Returns:
+      The table, without a title.
+    """
+    if markdown:
+        align = "|".join(":---" if i == left else "---:" for i in range(len(header)))
+        lines = ["| " + " | ".join(header) + " |", "|" + align + "|"]
+        return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+    cells = [header, *rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in cells
+    )
+
+
 def _format_table(rows: list[dict[str, Any]]) -> str:
     """Renders rows of :func:`run_benchmark` as aligned text, one block per group.
 
@@ -97,16 +138,10 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
     """
     blocks = []
     for key, group in _groups(rows).items():
-        cells = [_COLUMNS, *(_cells(row) for row in group)]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
-        lines = [
-            "  ".join(
-                c.ljust(w) if i == 1 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(line, widths, strict=True))
-            )
-            for line in cells
-        ]
-        blocks.append("\n".join([_title(key, group), *lines]))
+        table = render_table(
+            _COLUMNS, [_cells(row) for row in group], markdown=False, left=1
+        )
+        blocks.append(_title(key, group) + "\n" + table)
     return "\n\n".join(blocks)
 
 
@@ -121,16 +156,10 @@ def _format_markdown(rows: list[dict[str, Any]]) -> str:
     """
     blocks = []
     for key, group in _groups(rows).items():
-        lines = [
-            f"**{_title(key, group)}**",
-            "",
-            "| " + " | ".join(_COLUMNS) + " |",
-            "|"
-            + "|".join("---:" if i != 1 else ":---" for i in range(len(_COLUMNS)))
-            + "|",
-            *("| " + " | ".join(_cells(row)) + " |" for row in group),
-        ]
-        blocks.append("\n".join(lines))
+        table = render_table(
+            _COLUMNS, [_cells(row) for row in group], markdown=True, left=1
+        )
+        blocks.append(f"**{_title(key, group)}**\n\n" + table)
     return "\n\n".join(blocks)
 
 

@@ -284,12 +284,41 @@ def test_report_metrics_equal_the_uncertainty_module(data):
             assert result["ood"][name][key] == pytest.approx(float(expected))
 
 
-def test_single_has_no_mutual_information_auroc(data):
+@pytest.mark.parametrize(
+    "method, members", [("single", 2), ("batchensemble", 1), ("batchensemble", 2)]
+)
+def test_mutual_information_auroc_only_with_several_members(data, method, members):
     trained = train_method(
-        "single", "mlp", data.x_train, data.y_train, num_members=2, steps=2
+        method, "mlp", data.x_train, data.y_train, num_members=members, steps=2
     )
     result = evaluate(trained, data)
-    assert all(scores["auroc_mi"] is None for scores in result["ood"].values())
+    one_member = method == "single" or members == 1  # MI is 0 everywhere
+    for scores in result["ood"].values():
+        assert (scores["auroc_mi"] is None) == one_member
+
+
+def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypatch):
+    import ensembles.benchmark.quality as quality
+
+    trained = []
+    original = quality.train_method
+
+    def counting(method, *args, **kwargs):
+        trained.append((method, kwargs["num_members"]))
+        return original(method, *args, **kwargs)
+
+    monkeypatch.setattr(quality, "train_method", counting)
+    rows = quality.run_quality(
+        models=["mlp"],
+        members=[2, 3],
+        methods=["single", "batchensemble"],
+        steps=2,
+        data=data,
+    )
+    assert trained == [("single", 2), ("batchensemble", 2), ("batchensemble", 3)]
+    singles = [row for row in rows if row["method"] == "single"]
+    assert [row["members"] for row in singles] == [2, 3]
+    assert singles[0]["in_distribution"] == singles[1]["in_distribution"]
 
 
 def _row(method, nll, seed=0):

@@ -20,6 +20,7 @@ from ensembles.layers import (
 )
 from ensembles.members import tile, untile
 from ensembles.summary import EnsembleSummary, summary
+from ensembles.training import kl_divergence
 from ensembles.variables import FastWeight
 
 __version__ = "0.1.0.dev0"
@@ -39,6 +40,7 @@ __all__ = [
     "__version__",
     "extract_member",
     "initializers",
+    "kl_divergence",
     "ops",
     "optim",
     "summary",

@@ -37,6 +37,12 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     drawing_from,
 )
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_posterior,
+    check_prior_stddev,
+    default_stddev_init,
+)
 
 __all__ = ["CONVERTERS", "NORM_CONVERTERS", "extract_member", "to_batch_ensemble"]
 
@@ -44,7 +50,8 @@ M = TypeVar("M")
 
 #: Flax layer type -> the ``from_*`` classmethod of its BatchEnsemble sibling.
 #: Each is called as ``from_x(layer, num_members=, rngs=, r_init=, s_init=,
-#: share_kernel=)``. Exact types: a subclass may compute something else.
+#: share_kernel=, posterior=, prior_stddev=, stddev_init=)``. Exact types: a
+#: subclass may compute something else.
 CONVERTERS: dict[type[nnx.Module], Callable[..., nnx.Module]] = {
     nnx.Linear: BatchEnsembleLinear.from_linear,
     nnx.LinearGeneral: BatchEnsembleLinearGeneral.from_linear_general,
@@ -74,6 +81,9 @@ def to_batch_ensemble(
     s_init: Initializer = default_fast_weight_init,
     norms: str = "shared",
     share_weights: bool = False,
+    posterior: str | None = None,
+    prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+    stddev_init: Initializer = default_stddev_init,
 ) -> M:
     """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
 
@@ -121,6 +131,13 @@ def to_batch_ensemble(
       share_weights: if True, the new model holds ``model``'s very Variables
         (kernels and every unconverted parameter), so training one trains the
         other; by default it holds copies.
+      posterior: ``None`` (BatchEnsemble) or ``"gaussian"`` / ``"cauchy"``:
+        every converted layer gets rank-1 Bayesian fast weights (means from
+        ``r_init`` / ``s_init``, drawn in training mode; see
+        ``docs/rank1.md``). Train with :func:`ensembles.kl_divergence`.
+      prior_stddev: with a posterior, every converted layer's prior scale.
+      stddev_init: with a posterior, the initializer of the unconstrained
+        posterior scales.
 
     Returns:
       The converted model, of the same type as ``model``.
@@ -135,6 +152,8 @@ def to_batch_ensemble(
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)
+    posterior = check_posterior(posterior)
+    prior_stddev = check_prior_stddev(prior_stddev)
     rngs = check_rngs(rngs)
     predicate = filterlib.to_predicate(only)
     norm_types = NORM_CONVERTERS if norms == "member" else {}
@@ -198,6 +217,9 @@ def to_batch_ensemble(
                 # `node` belongs to the private copy (or, with share_weights,
                 # is meant to be shared): holding its kernel is what we want.
                 share_kernel=True,
+                posterior=posterior,
+                prior_stddev=prior_stddev,
+                stddev_init=stddev_init,
             )
         if kind in norm_types and chosen:
             return norm_types[kind](node, num_members=num_members)

@@ -1,12 +1,14 @@
-"""Initializers for the fast weights ``r`` and ``s``.
+"""Initializers for the fast weights ``r`` and ``s`` (and their posterior scales).
 
 Each function returns a JAX initializer ``(key, shape, dtype) -> Array`` like
 those in ``jax.nn.initializers``, so it can be passed as ``r_init`` / ``s_init``
-or used anywhere Flax takes an initializer.
+(or, for rank-1 posteriors, ``stddev_init``) or used anywhere Flax takes an
+initializer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.nn.initializers import Initializer
 
-__all__ = ["Initializer", "normal", "ones", "random_sign"]
+__all__ = ["Initializer", "normal", "ones", "random_sign", "unconstrained_stddev"]
 
 
 def ones() -> Initializer:
@@ -107,5 +109,57 @@ def random_sign(p: float = 0.5) -> Initializer:
     ) -> jax.Array:
         positive = jax.random.bernoulli(key, p, shape)
         return jnp.where(positive, 1, -1).astype(dtype)
+
+    return init
+
+
+#: The posterior stddev every rank-1 layer starts from: uncertainty-baselines'
+#: ``sqrt(p / (1 - p))`` for its ``dropout_rate`` p = 1e-3 (the stddev of the
+#: Gaussian dropout equivalent to dropout at rate p), about 0.0316.
+DEFAULT_POSTERIOR_STDDEV = math.sqrt(1e-3 / (1 - 1e-3))
+
+
+def unconstrained_stddev(
+    stddev: float = DEFAULT_POSTERIOR_STDDEV, jitter: float = 0.1
+) -> Initializer:
+    """Unconstrained scales whose ``softplus`` is about ``stddev``.
+
+    A rank-1 layer (``posterior="gaussian"`` or ``"cauchy"``) holds its
+    posterior scales as ``r_unconstrained_stddev`` / ``s_unconstrained_stddev``,
+    the scale being their softplus. This initializer draws them as
+    ``softplus^-1(stddev)`` plus normal noise of stddev ``jitter`` truncated at
+    two stddevs, as uncertainty-baselines' rank-1 recipe does (its default, and
+    ours: ``stddev`` about 0.0316, ``jitter`` 0.1).
+
+    >>> import jax
+    >>> from ensembles import initializers
+    >>> raw = initializers.unconstrained_stddev(0.05, jitter=0.0)(
+    ...     jax.random.key(0), (2, 3))
+    >>> jax.nn.softplus(raw).round(4)
+    Array([[0.05, 0.05, 0.05],
+           [0.05, 0.05, 0.05]], dtype=float32)
+
+    Args:
+      stddev: the posterior stddev (scale) to start from, > 0.
+      jitter: the stddev of the noise added to the unconstrained value, >= 0.
+
+    Returns:
+      An initializer ``(key, shape, dtype=float32) -> Array``.
+
+    Raises:
+      ValueError: if ``stddev`` is not positive or ``jitter`` is negative.
+    """
+    if not stddev > 0:
+        raise ValueError(f"`stddev` must be > 0 (a posterior scale), got {stddev!r}.")
+    if not jitter >= 0:
+        raise ValueError(f"`jitter` must be >= 0, got {jitter!r}.")
+    # softplus^-1(x) = log(expm1(x)); past 20, softplus is the identity in float.
+    center = math.log(math.expm1(stddev)) if stddev < 20 else float(stddev)
+
+    def init(
+        key: jax.Array, shape: Sequence[int], dtype: Any = jnp.float32
+    ) -> jax.Array:
+        noise = jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+        return (center + jitter * noise).astype(dtype)
 
     return init

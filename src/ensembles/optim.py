@@ -10,8 +10,11 @@ optax is needed only by this module; it is imported when a helper is called.
 
 ``nnx.Optimizer`` hands optax the parameters as ``Variable`` objects at ``init``
 and as plain arrays at ``update``, so a label must be derivable from the path
-alone: a fast weight is a ``FastWeight`` named ``r`` or ``s``. The labels check,
-whenever they see Variables, that the names and the types agree.
+alone: a fast weight is a ``FastWeight`` named ``r`` or ``s`` (or, in a rank-1
+layer, ``r_unconstrained_stddev`` / ``s_unconstrained_stddev``: the posterior
+scales are per-member fast-weight parameters too, regularised by the KL rather
+than weight decay). The labels check, whenever they see Variables, that the
+names and the types agree.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ __all__ = ["fast_weight_labels", "fast_weight_mask", "split_fast_weights"]
 
 FAST = "fast"
 SHARED = "shared"
-_FAST_NAMES = ("r", "s")
+_FAST_NAMES = ("r", "s", "r_unconstrained_stddev", "s_unconstrained_stddev")
 
 
 def _key_name(entry: Any) -> Any:
@@ -54,7 +57,7 @@ def _label(path: tuple, leaf: Any) -> str:
 
 
 def fast_weight_labels(params: Any) -> Any:
-    """Labels every parameter ``"fast"`` (``r``, ``s``) or ``"shared"``.
+    """Labels every parameter ``"fast"`` (``r``, ``s``, their scales) or ``"shared"``.
 
     Works on ``nnx.State`` of Variables (what ``nnx.Optimizer`` passes to
     ``init``) and on the same tree of plain arrays (what it passes to

@@ -1,18 +1,24 @@
-"""The two pieces of the BatchEnsemble training recipe users would hand-write.
+"""The pieces of the BatchEnsemble training recipe users would hand-write.
 
 A BatchEnsemble trains on one member-major ``[E*B, ...]`` batch, rows
 ``[k*B, (k+1)*B)`` member ``k``'s. What each member sees is either the same
 ``B`` examples (:func:`ensembles.tile`, the standard recipe) or ``B`` examples
 of its own (:func:`member_batches`), and the loss is the mean of the members'
 losses (:func:`cross_entropy`), so that each member's own parameters get the
-gradient of its own loss and the shared ones the average over members. See
+gradient of its own loss and the shared ones the average over members. A
+model with rank-1 Bayesian fast weights (``posterior="gaussian"``) adds its
+:func:`kl_divergence` over the training-set size (``docs/rank1.md``). See
 ``docs/training.md``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import graph as nnx_graph
 
 from ensembles._checks import (
     check_known_labels,
@@ -20,9 +26,11 @@ from ensembles._checks import (
     check_num_members,
     check_positive_int,
 )
+from ensembles.layers.base import BatchEnsembleModule
+from ensembles.layers.posterior import layer_kl
 from ensembles.members import tile
 
-__all__ = ["cross_entropy", "member_batches"]
+__all__ = ["cross_entropy", "kl_divergence", "member_batches"]
 
 
 def cross_entropy(
@@ -157,3 +165,50 @@ def member_batches(
     keys = jax.random.uniform(key, (num_members, num_examples))
     _, indices = jax.lax.top_k(keys, batch_size)
     return indices.reshape(-1).astype(jnp.int32)
+
+
+def kl_divergence(model: Any) -> jax.Array:
+    """The KL divergence of every rank-1 layer's fast weights to their prior.
+
+    The sum, over every BatchEnsemble layer of ``model`` built with a
+    ``posterior`` (a layer shared by several paths counted once), of the KL of
+    its ``r`` and ``s`` posteriors to the prior centred on 1 with scale
+    ``prior_stddev``: exact closed forms for Gaussians and Cauchys (see
+    :func:`ensembles.ops.posterior.fast_weight_kl`). Differentiable (take it
+    inside ``nnx.grad``); 0 for a model without posteriors. The rank-1 loss
+    is ``cross_entropy(...) + kl_divergence(model) / num_train_examples``
+    (``docs/rank1.md``).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> layer = ensembles.BatchEnsembleLinear(
+    ...     3, 2, num_members=4, posterior="gaussian", rngs=nnx.Rngs(0))
+    >>> float(ensembles.kl_divergence(layer)) > 0
+    True
+    >>> plain = ensembles.BatchEnsembleLinear(3, 2, num_members=4,
+    ...                                       rngs=nnx.Rngs(0))
+    >>> float(ensembles.kl_divergence(plain))
+    0.0
+
+    Args:
+      model: any NNX module (or graph of modules).
+
+    Returns:
+      A float32 (float64 for float64 parameters) scalar.
+
+    Raises:
+      TypeError: if ``model`` is not an NNX graph node (a module, ``nnx.List``,
+        ...).
+    """
+    if isinstance(model, nnx.Variable) or not nnx_graph.is_graph_node(model):
+        raise TypeError(
+            f"`model` must be an NNX module (or graph of modules) holding "
+            f"BatchEnsemble layers, got {type(model).__name__}."
+        )
+    terms = [
+        layer_kl(node)
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, BatchEnsembleModule) and node.posterior is not None
+    ]
+    return sum(terms, start=jnp.zeros((), jnp.float32))

@@ -3,8 +3,10 @@
 The base classes hold no parameters and no constructor logic: each layer's
 ``__init__`` creates its parameters and stores its options itself, as Flax's
 layers do. What they share is the view ``nnx.view(layer, member=k)`` (and, for
-the weight layers, ``impl=...``), the operands of the viewed member
-(``_member_operands``), and two plain functions for the
+the weight layers, ``impl=...`` and ``deterministic=...``), the operands of
+the viewed member (``_member_operands``), the fast weights of a call (the
+means, or a draw from a rank-1 posterior: ``_fast_weights``), and two plain
+functions for the
 Flax twins: :func:`check_flax_layer` (may a Flax layer be converted?) and
 :func:`plain_layer` (one member as the Flax layer it behaves as).
 """
@@ -19,6 +21,8 @@ import jax
 from flax import nnx
 
 from ensembles._checks import check_choice
+from ensembles.layers.posterior import check_deterministic
+from ensembles.ops.posterior import sample_fast_weights
 
 __all__ = [
     "BatchEnsembleModule",
@@ -161,11 +165,15 @@ class EnsembleModule(nnx.Module):
 
 
 class BatchEnsembleModule(EnsembleModule):
-    """Base of the BatchEnsemble weight layers: ``member`` and ``impl`` views.
+    """Base of the BatchEnsemble weight layers: views and the fast weights' draw.
 
     A weight layer holds a shared ``kernel``, the fast weights ``r`` and ``s``,
     an optional per-member ``bias`` and its op's ``impl``; its class attribute
-    ``_impls`` lists the ``impl`` values its op accepts.
+    ``_impls`` lists the ``impl`` values its op accepts. With a ``posterior``
+    (rank-1 Bayesian fast weights) it also holds ``r_unconstrained_stddev``,
+    ``s_unconstrained_stddev``, ``prior_stddev`` and an rng stream ``rngs``
+    (see :mod:`ensembles.layers.posterior`); ``deterministic`` says whether a
+    call uses the posterior means or draws.
 
     >>> from flax import nnx
     >>> import ensembles
@@ -178,8 +186,15 @@ class BatchEnsembleModule(EnsembleModule):
 
     impl: str
     _impls: tuple[str, ...]
+    posterior: str | None
+    deterministic: bool
 
-    def set_view(self, member: int | None = None, impl: str | None = None):
+    def set_view(
+        self,
+        member: int | None = None,
+        impl: str | None = None,
+        deterministic: bool | None = None,
+    ):
         """Class method used by ``nnx.view``.
 
         Args:
@@ -188,10 +203,46 @@ class BatchEnsembleModule(EnsembleModule):
             effective weights would. ``None`` leaves the view unchanged.
           impl: the op implementation, e.g. ``"xla"`` or ``"auto"``. ``None``
             leaves it unchanged.
+          deterministic: if True, a layer with a ``posterior`` uses the means
+            of its fast weights; if False, it draws them on every call (no
+            effect without a posterior). ``None`` leaves it unchanged.
         """
         # Check everything before setting anything: a failed view mutates nothing.
         if impl is not None:
             impl = check_choice(impl, "impl", self._impls)
+        if deterministic is not None:
+            deterministic = check_deterministic(deterministic)
         super().set_view(member=member)
         if impl is not None:
             self.impl = impl
+        if deterministic is not None:
+            self.deterministic = deterministic
+
+    def _fast_weights(
+        self, deterministic: bool | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The ``[E, ...]`` fast weights of this call: the means, or a draw.
+
+        Without a posterior, or deterministic (the call's ``deterministic``
+        if given, else the layer's), ``r`` and ``s`` themselves; else one
+        reparameterised draw of all members' ``r`` and ``s`` from the layer's
+        stream, per member and per call (see ``docs/rank1.md``). A member view
+        slices the same draw, so member ``k`` alone sees what it sees in the
+        ensemble.
+        """
+        r, s = self.r[...], self.s[...]
+        if deterministic is None:
+            deterministic = self.deterministic
+        else:
+            deterministic = check_deterministic(deterministic)
+        if self.posterior is None or deterministic:
+            return r, s
+        r_key, s_key = jax.random.split(self.rngs())
+        return (
+            sample_fast_weights(
+                r_key, r, self.r_unconstrained_stddev[...], posterior=self.posterior
+            ),
+            sample_fast_weights(
+                s_key, s, self.s_unconstrained_stddev[...], posterior=self.posterior
+            ),
+        )

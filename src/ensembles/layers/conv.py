@@ -30,53 +30,21 @@ from ensembles.layers.parameters import (
     member_slice,
     new_param,
 )
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_deterministic,
+    check_posterior,
+    check_prior_stddev,
+    check_rng_collection,
+    default_stddev_init,
+    new_unconstrained_stddev,
+    posterior_stream,
+)
 from ensembles.layers.sharding import shard_output
 from ensembles.ops import conv, plan
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleConv"]
-
-
-def check_kernel_size(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
-    """Checks a convolution's ``kernel_size`` and returns it as a tuple.
-
-    Args:
-      kernel_size: an int (a 1-D kernel) or one positive int per spatial
-        dimension, 1 to 3 of them.
-
-    Returns:
-      The spatial shape of the kernel, a tuple of 1 to 3 ints.
-
-    Raises:
-      TypeError: if an entry is not an int.
-      ValueError: if an entry is below 1, or there are not 1, 2 or 3 entries.
-    """
-    if isinstance(kernel_size, int):
-        kernel_size = (kernel_size,)
-    kernel_size = tuple(check_positive_int(k, "kernel_size") for k in kernel_size)
-    if not 1 <= len(kernel_size) <= 3:
-        raise ValueError(
-            f"`kernel_size` must have 1, 2 or 3 entries (1-D, 2-D or 3-D "
-            f"convolution), got {kernel_size}."
-        )
-    return kernel_size
-
-
-def check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
-    """Checks that a convolution's ``mask`` (if any) has the kernel's shape.
-
-    Args:
-      mask: the layer's ``mask`` argument, or ``None``.
-      kernel_shape: the shape of the layer's shared kernel.
-
-    Raises:
-      ValueError: if ``mask`` has another shape.
-    """
-    if mask is not None and tuple(mask.shape) != kernel_shape:
-        raise ValueError(
-            f"`mask` must have the kernel's shape {kernel_shape}, got "
-            f"{tuple(mask.shape)}."
-        )
 
 
 class BatchEnsembleConv(BatchEnsembleModule):
@@ -146,7 +114,21 @@ class BatchEnsembleConv(BatchEnsembleModule):
       preferred_element_type: accumulation/output dtype of the convolution.
       impl: the op implementation, ``"auto"`` or ``"xla"``; see
         :func:`ensembles.ops.batch_ensemble_conv`.
-      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      posterior: ``None`` (point fast weights: BatchEnsemble) or
+        ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
+        and ``s`` the posterior means (see ``docs/rank1.md``).
+      prior_stddev: the scale of every fast weight's prior, centred on 1
+        (default: 0.1, uncertainty-baselines' CIFAR value).
+      stddev_init: initializer for ``r_unconstrained_stddev`` and
+        ``s_unconstrained_stddev``, the posterior scales before softplus
+        (default: :func:`ensembles.initializers.unconstrained_stddev`).
+      deterministic: with a posterior, whether calls use the means (True) or
+        draw the fast weights (False, training); ``model.eval()`` and
+        ``model.train()`` set it.
+      rng_collection: the ``rngs`` stream the draws come from (default:
+        ``"posterior"``; Flax falls back to ``default`` if ``rngs`` has none).
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``;
+        with a posterior the layer also holds a fork of ``rngs[rng_collection]``.
       kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
       bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
@@ -181,6 +163,11 @@ class BatchEnsembleConv(BatchEnsembleModule):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
+        deterministic: bool = False,
+        rng_collection: str = "posterior",
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -188,7 +175,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        kernel_size = check_kernel_size(kernel_size)
+        kernel_size = conv.check_kernel_size(kernel_size)
         conv.check_padding(padding, len(kernel_size))
         feature_group_count = check_positive_int(
             feature_group_count, "feature_group_count"
@@ -200,9 +187,13 @@ class BatchEnsembleConv(BatchEnsembleModule):
                 f"(={out_features})."
             )
         kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
-        check_mask(mask, kernel_shape)
+        conv.check_mask(mask, kernel_shape)
         impl = plan.check_impl(impl, plan.CONV_IMPLS)
         num_members = check_num_members(num_members)
+        posterior = check_posterior(posterior)
+        prior_stddev = check_prior_stddev(prior_stddev)
+        deterministic = check_deterministic(deterministic)
+        rng_collection = check_rng_collection(rng_collection)
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -243,6 +234,13 @@ class BatchEnsembleConv(BatchEnsembleModule):
                 )
             else:
                 self.bias = nnx.data(None)
+            self.r_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.r, fast_weight_metadata
+            )
+            self.s_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.s, fast_weight_metadata
+            )
+            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.kernel_size = kernel_size
@@ -261,6 +259,10 @@ class BatchEnsembleConv(BatchEnsembleModule):
         self.num_members = num_members
         self.member = None
         self.impl = impl
+        self.posterior = posterior
+        self.prior_stddev = prior_stddev
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
         self.kernel_shape = kernel_shape
 
     @classmethod
@@ -274,6 +276,9 @@ class BatchEnsembleConv(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
     ) -> BatchEnsembleConv:
         """Builds a BatchEnsemble layer around a pretrained ``nnx.Conv``.
 
@@ -299,12 +304,16 @@ class BatchEnsembleConv(BatchEnsembleModule):
         Args:
           layer: the pretrained ``nnx.Conv``.
           num_members: the ensemble size E.
-          rngs: rng keys for the fast weights.
+          rngs: rng keys for the fast weights (and, with a posterior, the
+            stream of its draws: see the class).
           r_init: initializer for ``r`` (default: N(1, 0.6)).
           s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.
+          posterior: ``None``, ``"gaussian"`` or ``"cauchy"``: see the class.
+          prior_stddev: the prior's scale, with a posterior.
+          stddev_init: initializer of the unconstrained posterior scales.
 
         Returns:
           The new ``BatchEnsembleConv``.
@@ -349,6 +358,9 @@ class BatchEnsembleConv(BatchEnsembleModule):
             promote_dtype=layer.promote_dtype,
             preferred_element_type=layer.preferred_element_type,
             impl=impl,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
             rngs=rngs,
             kernel_metadata=layer.kernel.get_metadata(),
             bias_metadata=bias_metadata,
@@ -419,7 +431,13 @@ class BatchEnsembleConv(BatchEnsembleModule):
             feature_group_count=self.feature_group_count,
         )
 
-    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    def __call__(
+        self,
+        inputs: jax.Array,
+        out_sharding: Any = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
         Args:
@@ -428,6 +446,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
             an un-tiled ``[B, ..., *spatial, in_features]`` batch.
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Conv``; ``None`` leaves it to XLA.
+          deterministic: replaces the layer's ``deterministic`` for this call,
+            as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
           The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
@@ -438,9 +458,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
             # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
         bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._member_operands(
-            self.r[...], self.s[...], bias
-        )
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, kernel, r, s, bias), dtype=self.dtype
         )

@@ -19,7 +19,6 @@ from ensembles.layers.base import (
     check_member_index,
     plain_layer,
 )
-from ensembles.layers.conv import check_kernel_size, check_mask
 from ensembles.layers.parameters import (
     copy_of,
     default_bias_init,
@@ -29,6 +28,16 @@ from ensembles.layers.parameters import (
     member_copies,
     member_slice,
     new_param,
+)
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_deterministic,
+    check_posterior,
+    check_prior_stddev,
+    check_rng_collection,
+    default_stddev_init,
+    new_unconstrained_stddev,
+    posterior_stream,
 )
 from ensembles.ops import conv, conv_transpose, plan
 from ensembles.variables import FastWeight
@@ -101,7 +110,21 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         common dtype, called with a ``dtype`` keyword (default: Flax's).
       preferred_element_type: accumulation/output dtype of the convolution.
       impl: the op implementation, ``"auto"`` or ``"xla"``.
-      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      posterior: ``None`` (point fast weights: BatchEnsemble) or
+        ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
+        and ``s`` the posterior means (see ``docs/rank1.md``).
+      prior_stddev: the scale of every fast weight's prior, centred on 1
+        (default: 0.1, uncertainty-baselines' CIFAR value).
+      stddev_init: initializer for ``r_unconstrained_stddev`` and
+        ``s_unconstrained_stddev``, the posterior scales before softplus
+        (default: :func:`ensembles.initializers.unconstrained_stddev`).
+      deterministic: with a posterior, whether calls use the means (True) or
+        draw the fast weights (False, training); ``model.eval()`` and
+        ``model.train()`` set it.
+      rng_collection: the ``rngs`` stream the draws come from (default:
+        ``"posterior"``; Flax falls back to ``default`` if ``rngs`` has none).
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``;
+        with a posterior the layer also holds a fork of ``rngs[rng_collection]``.
       kernel_metadata: metadata of the kernel ``Param``.
       bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
@@ -132,6 +155,11 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
+        deterministic: bool = False,
+        rng_collection: str = "posterior",
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -139,16 +167,20 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        kernel_size = check_kernel_size(kernel_size)
+        kernel_size = conv.check_kernel_size(kernel_size)
         conv.check_padding(padding, len(kernel_size), transpose=True)
         if transpose_kernel:
             channels = (out_features, in_features)
         else:
             channels = (in_features, out_features)
         kernel_shape = (*kernel_size, *channels)
-        check_mask(mask, kernel_shape)
+        conv.check_mask(mask, kernel_shape)
         impl = plan.check_impl(impl, plan.CONV_IMPLS)
         num_members = check_num_members(num_members)
+        posterior = check_posterior(posterior)
+        prior_stddev = check_prior_stddev(prior_stddev)
+        deterministic = check_deterministic(deterministic)
+        rng_collection = check_rng_collection(rng_collection)
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -189,6 +221,13 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
                 )
             else:
                 self.bias = nnx.data(None)
+            self.r_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.r, fast_weight_metadata
+            )
+            self.s_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.s, fast_weight_metadata
+            )
+            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.kernel_size = kernel_size
@@ -206,6 +245,10 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         self.num_members = num_members
         self.member = None
         self.impl = impl
+        self.posterior = posterior
+        self.prior_stddev = prior_stddev
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
         self.kernel_shape = kernel_shape
 
     @classmethod
@@ -219,6 +262,9 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
     ) -> BatchEnsembleConvTranspose:
         """Builds a BatchEnsemble layer around a pretrained ``nnx.ConvTranspose``.
 
@@ -242,12 +288,16 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         Args:
           layer: the pretrained ``nnx.ConvTranspose``.
           num_members: the ensemble size E.
-          rngs: rng keys for the fast weights.
+          rngs: rng keys for the fast weights (and, with a posterior, the
+            stream of its draws: see the class).
           r_init: initializer for ``r`` (default: N(1, 0.6)).
           s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself.
           impl: the op implementation.
+          posterior: ``None``, ``"gaussian"`` or ``"cauchy"``: see the class.
+          prior_stddev: the prior's scale, with a posterior.
+          stddev_init: initializer of the unconstrained posterior scales.
 
         Returns:
           The new ``BatchEnsembleConvTranspose``.
@@ -280,6 +330,9 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             promote_dtype=layer.promote_dtype,
             preferred_element_type=layer.preferred_element_type,
             impl=impl,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
             rngs=rngs,
             kernel_metadata=layer.kernel.get_metadata(),
             bias_metadata=bias_metadata,
@@ -348,12 +401,16 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             transpose_kernel=self.transpose_kernel,
         )
 
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, *, deterministic: bool | None = None
+    ) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
         Args:
           inputs: ``[E*B, ..., *spatial, in_features]`` member-major inputs
             (channels last); in a member view an un-tiled batch.
+          deterministic: replaces the layer's ``deterministic`` for this call,
+            as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
           The ``[E*B, ..., *out_spatial, out_features]`` (or ``[B, ...]``)
@@ -364,9 +421,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             # As nnx.ConvTranspose: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
         bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._member_operands(
-            self.r[...], self.s[...], bias
-        )
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, kernel, r, s, bias), dtype=self.dtype
         )

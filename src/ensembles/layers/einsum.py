@@ -29,6 +29,16 @@ from ensembles.layers.parameters import (
     member_slice,
     new_param,
 )
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_deterministic,
+    check_posterior,
+    check_prior_stddev,
+    check_rng_collection,
+    default_stddev_init,
+    new_unconstrained_stddev,
+    posterior_stream,
+)
 from ensembles.layers.sharding import shard_output
 from ensembles.ops import einsum, plan
 from ensembles.variables import FastWeight
@@ -105,7 +115,21 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
       preferred_element_type: accumulation/output dtype of the contraction.
       impl: the dense op implementation: ``"auto"``, ``"xla"`` or
         ``"pallas"``; see :func:`ensembles.ops.batch_ensemble_einsum`.
-      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``.
+      posterior: ``None`` (point fast weights: BatchEnsemble) or
+        ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
+        and ``s`` the posterior means (see ``docs/rank1.md``).
+      prior_stddev: the scale of every fast weight's prior, centred on 1
+        (default: 0.1, uncertainty-baselines' CIFAR value).
+      stddev_init: initializer for ``r_unconstrained_stddev`` and
+        ``s_unconstrained_stddev``, the posterior scales before softplus
+        (default: :func:`ensembles.initializers.unconstrained_stddev`).
+      deterministic: with a posterior, whether calls use the means (True) or
+        draw the fast weights (False, training); ``model.eval()`` and
+        ``model.train()`` set it.
+      rng_collection: the ``rngs`` stream the draws come from (default:
+        ``"posterior"``; Flax falls back to ``default`` if ``rngs`` has none).
+      rngs: rng keys; the kernel, r, s and bias each draw from ``rngs.params()``;
+        with a posterior the layer also holds a fork of ``rngs[rng_collection]``.
       kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
       bias_metadata: metadata of the ``[E, *bias_shape]`` bias ``Param``.
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
@@ -133,6 +157,11 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
+        deterministic: bool = False,
+        rng_collection: str = "posterior",
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -145,6 +174,10 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         einsum_str = einsum_str.replace(" ", "")
         impl = plan.check_impl(impl)
         num_members = check_num_members(num_members)
+        posterior = check_posterior(posterior)
+        prior_stddev = check_prior_stddev(prior_stddev)
+        deterministic = check_deterministic(deterministic)
+        rng_collection = check_rng_collection(rng_collection)
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -185,6 +218,13 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 )
             else:
                 self.bias = nnx.data(None)
+            self.r_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.r, fast_weight_metadata
+            )
+            self.s_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.s, fast_weight_metadata
+            )
+            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.einsum_str = einsum_str
         self.kernel_shape = kernel_shape
         self.bias_shape = bias_shape
@@ -196,6 +236,10 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         self.num_members = num_members
         self.member = None
         self.impl = impl
+        self.posterior = posterior
+        self.prior_stddev = prior_stddev
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
 
     @classmethod
     def from_einsum(
@@ -208,6 +252,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
     ) -> BatchEnsembleEinsum:
         """Builds a BatchEnsemble layer around a pretrained ``nnx.Einsum``.
 
@@ -231,12 +278,16 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         Args:
           layer: the pretrained ``nnx.Einsum``.
           num_members: the ensemble size E.
-          rngs: rng keys for the fast weights.
+          rngs: rng keys for the fast weights (and, with a posterior, the
+            stream of its draws: see the class).
           r_init: initializer for ``r`` (default: N(1, 0.6)).
           s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.
+          posterior: ``None``, ``"gaussian"`` or ``"cauchy"``: see the class.
+          prior_stddev: the prior's scale, with a posterior.
+          stddev_init: initializer of the unconstrained posterior scales.
 
         Returns:
           The new ``BatchEnsembleEinsum``.
@@ -272,6 +323,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             promote_dtype=layer.promote_dtype,
             preferred_element_type=layer.preferred_element_type,
             impl=impl,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
             rngs=rngs,
             kernel_metadata=layer.kernel.get_metadata(),
             bias_metadata=bias_metadata,
@@ -337,7 +391,12 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         )
 
     def __call__(
-        self, inputs: jax.Array, einsum_str: str | None = None, out_sharding: Any = None
+        self,
+        inputs: jax.Array,
+        einsum_str: str | None = None,
+        out_sharding: Any = None,
+        *,
+        deterministic: bool | None = None,
     ) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
@@ -349,6 +408,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             (where ``s`` applies) and contract the others (``r``).
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Einsum``; ``None`` leaves it to XLA.
+          deterministic: replaces the layer's ``deterministic`` for this call,
+            as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
           The outputs, laid out as ``einsum_str``'s output.
@@ -369,9 +430,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 f"out of) the output as the layer's string does."
             )
         bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._member_operands(
-            self.r[...], self.s[...], bias
-        )
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
         )

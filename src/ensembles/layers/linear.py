@@ -30,6 +30,16 @@ from ensembles.layers.parameters import (
     member_slice,
     new_param,
 )
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_deterministic,
+    check_posterior,
+    check_prior_stddev,
+    check_rng_collection,
+    default_stddev_init,
+    new_unconstrained_stddev,
+    posterior_stream,
+)
 from ensembles.layers.sharding import shard_output
 from ensembles.ops import dense, plan
 from ensembles.variables import FastWeight
@@ -89,7 +99,21 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         ``jax.lax.dot_general``.
       impl: the op implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (the
         fused GPU/TPU kernel); see :func:`ensembles.ops.batch_ensemble_dense`.
-      rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``.
+      posterior: ``None`` (point fast weights: BatchEnsemble) or
+        ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
+        and ``s`` the posterior means (see ``docs/rank1.md``).
+      prior_stddev: the scale of every fast weight's prior, centred on 1
+        (default: 0.1, uncertainty-baselines' CIFAR value).
+      stddev_init: initializer for ``r_unconstrained_stddev`` and
+        ``s_unconstrained_stddev``, the posterior scales before softplus
+        (default: :func:`ensembles.initializers.unconstrained_stddev`).
+      deterministic: with a posterior, whether calls use the means (True) or
+        draw the fast weights (False, training); ``model.eval()`` and
+        ``model.train()`` set it.
+      rng_collection: the ``rngs`` stream the draws come from (default:
+        ``"posterior"``; Flax falls back to ``default`` if ``rngs`` has none).
+      rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``;
+        with a posterior the layer also holds a fork of ``rngs[rng_collection]``.
       kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
       bias_metadata: metadata of the ``[E, out]`` bias ``Param``.
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
@@ -114,6 +138,11 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
+        deterministic: bool = False,
+        rng_collection: str = "posterior",
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -123,6 +152,10 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         out_features = check_positive_int(out_features, "out_features")
         impl = plan.check_impl(impl)
         num_members = check_num_members(num_members)
+        posterior = check_posterior(posterior)
+        prior_stddev = check_prior_stddev(prior_stddev)
+        deterministic = check_deterministic(deterministic)
+        rng_collection = check_rng_collection(rng_collection)
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -163,6 +196,13 @@ class BatchEnsembleLinear(BatchEnsembleModule):
                 )
             else:
                 self.bias = nnx.data(None)
+            self.r_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.r, fast_weight_metadata
+            )
+            self.s_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.s, fast_weight_metadata
+            )
+            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias
@@ -174,6 +214,10 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         self.num_members = num_members
         self.member = None
         self.impl = impl
+        self.posterior = posterior
+        self.prior_stddev = prior_stddev
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
 
     @classmethod
     def from_linear(
@@ -186,6 +230,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
     ) -> BatchEnsembleLinear:
         """Builds a BatchEnsemble layer around a pretrained ``nnx.Linear``.
 
@@ -210,12 +257,16 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Args:
           linear: the pretrained layer.
           num_members: the ensemble size E.
-          rngs: rng keys for the fast weights.
+          rngs: rng keys for the fast weights (and, with a posterior, the
+            stream of its draws: see the class).
           r_init: initializer for ``r`` (default: N(1, 0.6)).
           s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``linear``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.
+          posterior: ``None``, ``"gaussian"`` or ``"cauchy"``: see the class.
+          prior_stddev: the prior's scale, with a posterior.
+          stddev_init: initializer of the unconstrained posterior scales.
 
         Returns:
           The new ``BatchEnsembleLinear``.
@@ -250,6 +301,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             promote_dtype=linear.promote_dtype,
             preferred_element_type=linear.preferred_element_type,
             impl=impl,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
             rngs=rngs,
             kernel_metadata=linear.kernel.get_metadata(),
             bias_metadata=bias_metadata,
@@ -306,24 +360,30 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         outer = jnp.outer(self.r[member], self.s[member])
         return self.kernel[...] * outer.astype(self.kernel.dtype)
 
-    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    def __call__(
+        self,
+        inputs: jax.Array,
+        out_sharding: Any = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
         Args:
           inputs: ``[E*B, ..., in_features]`` member-major inputs; in a member
             view (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...,
             in_features]`` batch.
-
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Linear``; ``None`` leaves it to XLA.
+          deterministic: replaces the layer's ``deterministic`` for this call,
+            as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
           The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
         """
         bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._member_operands(
-            self.r[...], self.s[...], bias
-        )
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
         )

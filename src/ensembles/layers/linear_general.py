@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -28,9 +27,21 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     default_kernel_init,
     drawing_from,
+    flat_copy_of,
+    flat_initializer,
     member_copies,
     member_slice,
     new_param,
+)
+from ensembles.layers.posterior import (
+    DEFAULT_PRIOR_STDDEV,
+    check_deterministic,
+    check_posterior,
+    check_prior_stddev,
+    check_rng_collection,
+    default_stddev_init,
+    new_unconstrained_stddev,
+    posterior_stream,
 )
 from ensembles.layers.sharding import shard_output
 from ensembles.ops import dense_general, plan
@@ -59,42 +70,6 @@ def _axes(value: Any) -> tuple[int, ...]:
                 f"`axis` must hold ints, got {v!r} of type {type(v).__name__}."
             ) from None
     return tuple(out)
-
-
-def _flat_initializer(
-    initializer: Initializer, num_rows: int, name: str
-) -> Callable[..., jax.Array]:
-    """Calls ``initializer`` with a 2-D shape and reshapes, as Flax does.
-
-    ``nnx.LinearGeneral`` initializes its kernel as a 2-D
-    ``[prod(batch) * prod(in), prod(out)]`` matrix (so fan-in and fan-out are
-    those of the flattened contraction) and its bias flat; so do we: the first
-    ``num_rows`` axes of the shape asked for become the first flat axis.
-    """
-
-    def init(key, shape, dtype):
-        flat_shape = (math.prod(shape[:num_rows]), math.prod(shape[num_rows:]))
-        value = initializer(key, flat_shape, dtype)
-        if tuple(value.shape) != flat_shape:
-            raise ValueError(
-                f"`{name}` returned an array of shape {tuple(value.shape)}, but "
-                f"the layer asked for shape {flat_shape}: pass an initializer "
-                f"that honours its `shape` argument."
-            )
-        return jnp.reshape(value, shape)
-
-    return init
-
-
-def _flat_copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
-    """An initializer returning ``variable``'s value in the (flat) shape asked."""
-    value = variable[...]
-
-    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
-        del key, dtype
-        return jnp.reshape(value, tuple(shape))
-
-    return init
 
 
 class BatchEnsembleLinearGeneral(BatchEnsembleModule):
@@ -175,7 +150,21 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       preferred_element_type: accumulation/output dtype of the contraction.
       impl: the dense op implementation, ``"auto"`` or ``"xla"``; see
         :func:`ensembles.ops.batch_ensemble_dense`.
-      rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``.
+      posterior: ``None`` (point fast weights: BatchEnsemble) or
+        ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
+        and ``s`` the posterior means (see ``docs/rank1.md``).
+      prior_stddev: the scale of every fast weight's prior, centred on 1
+        (default: 0.1, uncertainty-baselines' CIFAR value).
+      stddev_init: initializer for ``r_unconstrained_stddev`` and
+        ``s_unconstrained_stddev``, the posterior scales before softplus
+        (default: :func:`ensembles.initializers.unconstrained_stddev`).
+      deterministic: with a posterior, whether calls use the means (True) or
+        draw the fast weights (False, training); ``model.eval()`` and
+        ``model.train()`` set it.
+      rng_collection: the ``rngs`` stream the draws come from (default:
+        ``"posterior"``; Flax falls back to ``default`` if ``rngs`` has none).
+      rngs: rng keys; the kernel, bias, r and s each draw from ``rngs.params()``;
+        with a posterior the layer also holds a fork of ``rngs[rng_collection]``.
       kernel_metadata: metadata of the kernel ``Param`` (e.g. sharding names).
       bias_metadata: metadata of the ``[E, *batch_shape, *out_features]`` bias.
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
@@ -202,6 +191,11 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
+        deterministic: bool = False,
+        rng_collection: str = "posterior",
         rngs: nnx.Rngs,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -239,10 +233,14 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
         impl = plan.check_impl(impl)
         num_members = check_num_members(num_members)
+        posterior = check_posterior(posterior)
+        prior_stddev = check_prior_stddev(prior_stddev)
+        deterministic = check_deterministic(deterministic)
+        rng_collection = check_rng_collection(rng_collection)
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
-                _flat_initializer(
+                flat_initializer(
                     kernel_init, len(batch_shape) + len(in_features), "kernel_init"
                 ),
                 draw,
@@ -272,7 +270,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             if use_bias:
                 self.bias = new_param(
                     nnx.Param,
-                    _flat_initializer(bias_init, 1, "bias_init"),
+                    flat_initializer(bias_init, 1, "bias_init"),
                     draw,
                     (num_members, *batch_shape, *out_features),
                     param_dtype,
@@ -281,6 +279,13 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 )
             else:
                 self.bias = nnx.data(None)
+            self.r_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.r, fast_weight_metadata
+            )
+            self.s_unconstrained_stddev = new_unconstrained_stddev(
+                posterior, stddev_init, draw, self.s, fast_weight_metadata
+            )
+            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.axis = axis
@@ -294,6 +299,10 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         self.num_members = num_members
         self.member = None
         self.impl = impl
+        self.posterior = posterior
+        self.prior_stddev = prior_stddev
+        self.deterministic = deterministic
+        self.rng_collection = rng_collection
 
     @classmethod
     def from_linear_general(
@@ -306,6 +315,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
         impl: str = "auto",
+        posterior: str | None = None,
+        prior_stddev: float = DEFAULT_PRIOR_STDDEV,
+        stddev_init: Initializer = default_stddev_init,
     ) -> BatchEnsembleLinearGeneral:
         """Builds a BatchEnsemble layer around a pretrained ``nnx.LinearGeneral``.
 
@@ -329,12 +341,16 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         Args:
           layer: the pretrained ``nnx.LinearGeneral``.
           num_members: the ensemble size E.
-          rngs: rng keys for the fast weights.
+          rngs: rng keys for the fast weights (and, with a posterior, the
+            stream of its draws: see the class).
           r_init: initializer for ``r`` (default: N(1, 0.6)).
           s_init: initializer for ``s`` (default: N(1, 0.6)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.
+          posterior: ``None``, ``"gaussian"`` or ``"cauchy"``: see the class.
+          prior_stddev: the prior's scale, with a posterior.
+          stddev_init: initializer of the unconstrained posterior scales.
 
         Returns:
           The new ``BatchEnsembleLinearGeneral``.
@@ -365,9 +381,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             # The dtype the parameters are held in (a model cast after it was
             # built keeps a stale `param_dtype`).
             param_dtype=layer.kernel.dtype,
-            # Called flat (see _flat_initializer), as Flax's is: the copy is
+            # Called flat (see flat_initializer), as Flax's is: the copy is
             # reshaped to the flat shape, then back.
-            kernel_init=_flat_copy_of(layer.kernel),
+            kernel_init=flat_copy_of(layer.kernel),
             bias_init=bias_init,
             r_init=r_init,
             s_init=s_init,
@@ -375,6 +391,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             promote_dtype=layer.promote_dtype,
             preferred_element_type=layer.preferred_element_type,
             impl=impl,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
             rngs=rngs,
             kernel_metadata=layer.kernel.get_metadata(),
             bias_metadata=bias_metadata,
@@ -437,7 +456,13 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         kernel = self.kernel[...]
         return kernel * (r * s).astype(kernel.dtype)
 
-    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    def __call__(
+        self,
+        inputs: jax.Array,
+        out_sharding: Any = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> jax.Array:
         """Applies every member (or the viewed member) to its rows of ``inputs``.
 
         Args:
@@ -446,15 +471,16 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
 
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Linear``; ``None`` leaves it to XLA.
+          deterministic: replaces the layer's ``deterministic`` for this call,
+            as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
           The outputs: the uncontracted axes of ``inputs`` in order, then
           ``out_features``.
         """
         bias = None if self.bias is None else self.bias[...]
-        num_members, (r, s, bias) = self._member_operands(
-            self.r[...], self.s[...], bias
-        )
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
         inputs, kernel, r, s, bias = self.promote_dtype(
             (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
         )

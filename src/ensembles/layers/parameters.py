@@ -17,6 +17,7 @@ classmethods pass the pretrained values as initializers (:func:`copy_of`,
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ __all__ = [
     "default_fast_weight_init",
     "default_kernel_init",
     "drawing_from",
+    "flat_copy_of",
+    "flat_initializer",
     "member_copies",
     "member_slice",
     "new_param",
@@ -160,3 +163,39 @@ def member_slice(variable: nnx.Variable | None, member: int) -> nnx.Variable | N
         return None
     metadata = without_member_axis_metadata(variable.get_metadata())
     return type(variable)(variable[member], **metadata)
+
+
+def flat_initializer(
+    initializer: Callable[..., jax.Array], num_rows: int, name: str
+) -> Callable[..., jax.Array]:
+    """Calls ``initializer`` with a 2-D shape and reshapes, as Flax does.
+
+    ``nnx.LinearGeneral`` initializes its kernel as a 2-D
+    ``[prod(batch) * prod(in), prod(out)]`` matrix (so fan-in and fan-out are
+    those of the flattened contraction) and its bias flat; so do we: the first
+    ``num_rows`` axes of the shape asked for become the first flat axis.
+    """
+
+    def init(key, shape, dtype):
+        flat_shape = (math.prod(shape[:num_rows]), math.prod(shape[num_rows:]))
+        value = initializer(key, flat_shape, dtype)
+        if tuple(value.shape) != flat_shape:
+            raise ValueError(
+                f"`{name}` returned an array of shape {tuple(value.shape)}, but "
+                f"the layer asked for shape {flat_shape}: pass an initializer "
+                f"that honours its `shape` argument."
+            )
+        return jnp.reshape(value, shape)
+
+    return init
+
+
+def flat_copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
+    """An initializer returning ``variable``'s value in the (flat) shape asked."""
+    value = variable[...]
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        del key, dtype
+        return jnp.reshape(value, tuple(shape))
+
+    return init

@@ -47,6 +47,8 @@ from ensembles.ops.plan import CONV_IMPLS, check_impl
 
 __all__ = [
     "batch_ensemble_conv",
+    "check_kernel_size",
+    "check_mask",
     "check_padding",
     "check_shapes",
     "effective_kernel",
@@ -83,6 +85,48 @@ def spatial_tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]
 #: The padding strings lax reads in any case; Flax's own modes it does not.
 _LAX_PADDINGS = ("SAME", "SAME_LOWER", "VALID")
 _FLAX_PADDINGS = {"conv": ("CIRCULAR", "REFLECT", "CAUSAL"), "transpose": ("CIRCULAR",)}
+
+
+def check_kernel_size(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
+    """Checks a convolution's ``kernel_size`` and returns it as a tuple.
+
+    Args:
+      kernel_size: an int (a 1-D kernel) or one positive int per spatial
+        dimension, 1 to 3 of them.
+
+    Returns:
+      The spatial shape of the kernel, a tuple of 1 to 3 ints.
+
+    Raises:
+      TypeError: if an entry is not an int.
+      ValueError: if an entry is below 1, or there are not 1, 2 or 3 entries.
+    """
+    if isinstance(kernel_size, int):
+        kernel_size = (kernel_size,)
+    kernel_size = tuple(check_positive_int(k, "kernel_size") for k in kernel_size)
+    if not 1 <= len(kernel_size) <= 3:
+        raise ValueError(
+            f"`kernel_size` must have 1, 2 or 3 entries (1-D, 2-D or 3-D "
+            f"convolution), got {kernel_size}."
+        )
+    return kernel_size
+
+
+def check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
+    """Checks that a convolution's ``mask`` (if any) has the kernel's shape.
+
+    Args:
+      mask: the layer's ``mask`` argument, or ``None``.
+      kernel_shape: the shape of the layer's shared kernel.
+
+    Raises:
+      ValueError: if ``mask`` has another shape.
+    """
+    if mask is not None and tuple(mask.shape) != kernel_shape:
+        raise ValueError(
+            f"`mask` must have the kernel's shape {kernel_shape}, got "
+            f"{tuple(mask.shape)}."
+        )
 
 
 def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:

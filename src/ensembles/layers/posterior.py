@@ -1,0 +1,147 @@
+"""Rank-1 Bayesian fast weights in a layer: plain functions the layers call.
+
+A weight layer built with ``posterior="gaussian"`` (or ``"cauchy"``) keeps its
+fast weights ``r`` and ``s`` as the posterior means and holds, beside them,
+``r_unconstrained_stddev`` and ``s_unconstrained_stddev`` (``FastWeight`` objects of
+the same shapes; the scales are their softplus) and an rng stream, as
+``nnx.Dropout`` holds one. Its constructor creates these in plain sight::
+
+    self.r_unconstrained_stddev = new_unconstrained_stddev(
+        posterior, stddev_init, draw, self.r, fast_weight_metadata)
+    self.rngs = posterior_stream(posterior, draw, rng_collection)
+
+and :meth:`~ensembles.layers.BatchEnsembleModule._fast_weights` draws (or,
+deterministic, returns the means) on every call. The math lives in
+:mod:`ensembles.ops.posterior`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.typing import Initializer
+
+from ensembles.initializers import unconstrained_stddev
+from ensembles.layers.parameters import new_param
+from ensembles.ops.posterior import POSTERIORS, fast_weight_kl
+from ensembles.variables import FastWeight
+
+__all__ = [
+    "DEFAULT_PRIOR_STDDEV",
+    "check_deterministic",
+    "check_posterior",
+    "check_prior_stddev",
+    "check_rng_collection",
+    "default_stddev_init",
+    "layer_kl",
+    "new_unconstrained_stddev",
+    "posterior_stream",
+]
+
+#: uncertainty-baselines' rank-1 defaults (CIFAR-10/100, WRN-28-10): a prior
+#: N(1, 0.1**2) on every fast weight, posterior scales starting near 0.0316.
+DEFAULT_PRIOR_STDDEV = 0.1
+default_stddev_init = unconstrained_stddev()
+
+
+def check_posterior(posterior: Any) -> str | None:
+    """Checks a layer's ``posterior``: ``None``, ``"gaussian"`` or ``"cauchy"``."""
+    if posterior is None or (isinstance(posterior, str) and posterior in POSTERIORS):
+        return posterior
+    raise ValueError(
+        f"`posterior` must be None (point fast weights: BatchEnsemble) or one of "
+        f"{list(POSTERIORS)} (rank-1 Bayesian fast weights), got {posterior!r}."
+    )
+
+
+def check_prior_stddev(prior_stddev: Any) -> float:
+    """Checks the prior's scale: a finite real number > 0."""
+    if isinstance(prior_stddev, bool) or not isinstance(prior_stddev, (int, float)):
+        raise TypeError(
+            f"`prior_stddev` must be a float > 0, got {prior_stddev!r} of type "
+            f"{type(prior_stddev).__name__}."
+        )
+    if not (math.isfinite(prior_stddev) and prior_stddev > 0):
+        raise ValueError(
+            f"`prior_stddev` must be a finite float > 0 (the prior's scale), got "
+            f"{prior_stddev!r}; uncertainty-baselines uses 0.1 on CIFAR."
+        )
+    return float(prior_stddev)
+
+
+def check_deterministic(deterministic: Any, name: str = "deterministic") -> bool:
+    """Checks a ``deterministic`` flag: a bool."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(
+            f"`{name}` must be a bool (True: use the posterior means), got "
+            f"{deterministic!r} of type {type(deterministic).__name__}."
+        )
+    return deterministic
+
+
+def check_rng_collection(rng_collection: Any) -> str:
+    """Checks the name of the rng stream the draws come from."""
+    if not isinstance(rng_collection, str) or not rng_collection:
+        raise TypeError(
+            f"`rng_collection` must be a non-empty str naming an `nnx.Rngs` "
+            f"stream (e.g. 'posterior'), got {rng_collection!r}."
+        )
+    return rng_collection
+
+
+def new_unconstrained_stddev(
+    posterior: str | None,
+    stddev_init: Initializer,
+    rngs: nnx.Rngs,
+    mean: nnx.Variable,
+    metadata: Mapping[str, Any],
+) -> FastWeight | None:
+    """The unconstrained posterior scales of the fast weight ``mean``.
+
+    A ``FastWeight`` of ``mean``'s shape and dtype from ``stddev_init``, or
+    ``None`` (held as ``nnx.data(None)``) without a posterior.
+    """
+    if posterior is None:
+        return nnx.data(None)
+    return new_param(
+        FastWeight,
+        stddev_init,
+        rngs,
+        mean.shape,
+        mean.dtype,
+        metadata,
+        "stddev_init",
+    )
+
+
+def posterior_stream(
+    posterior: str | None, rngs: nnx.Rngs, rng_collection: str
+) -> nnx.RngStream | None:
+    """The stream the layer draws its fast weights from, as ``nnx.Dropout``'s.
+
+    A fork of ``rngs[rng_collection]`` (Flax falls back to the ``default``
+    stream if ``rngs`` has no such stream), or ``None`` without a posterior.
+    """
+    if posterior is None:
+        return nnx.data(None)
+    return rngs[rng_collection].fork()
+
+
+def layer_kl(layer: Any) -> jax.Array:
+    """The KL divergence of one rank-1 layer's ``r`` and ``s`` to its prior."""
+    return sum(
+        fast_weight_kl(
+            mean[...],
+            unconstrained[...],
+            posterior=layer.posterior,
+            prior_stddev=layer.prior_stddev,
+        )
+        for mean, unconstrained in (
+            (layer.r, layer.r_unconstrained_stddev),
+            (layer.s, layer.s_unconstrained_stddev),
+        )
+    )

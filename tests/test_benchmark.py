@@ -18,6 +18,7 @@ from ensembles.benchmark import (
     build_model,
     cli,
     main,
+    model_inputs,
     prepare_method,
 )
 from tests.covering import covering
@@ -216,6 +217,29 @@ def test_parameter_counts(model):
         for layer in layers
     )
     assert counts["batchensemble"] == single + extra
+    # rank1 adds the posterior scales of r and s.
+    scales = sum(E * (layer.in_features + layer.out_features) for layer in layers)
+    assert counts["rank1"] == counts["batchensemble"] + scales
+
+
+def test_rank1_train_step_loss_is_cross_entropy_plus_kl_per_row():
+    optax = pytest.importorskip("optax")
+    prepared = prepare_method("rank1", "mlp", "train", **TINY)
+    model = ensembles.to_batch_ensemble(
+        build_model("mlp", width=WIDTH, rngs=nnx.Rngs(0)),
+        num_members=E,
+        rngs=nnx.Rngs(10_000),
+        posterior="gaussian",
+    )
+    x, y = model_inputs("mlp", E * TINY["batch"], width=WIDTH, seed=0)
+    logits = nnx.clone(model)(x)  # the draw the first step makes
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    expected = expected + ensembles.kl_divergence(model) / x.shape[0]
+    assert_close(prepared.step(), expected)
+    # The forward draws: it differs from batchensemble's (the means).
+    assert not np.allclose(
+        _forward("rank1", "mlp").step(), _forward("batchensemble", "mlp").step()
+    )
 
 
 def test_impl_view_computes_the_same():

@@ -184,6 +184,7 @@ def test_methods_are_what_they_claim(data):
     assert shapes == {
         "single": (1, 7, 10),
         "batchensemble": (3, 7, 10),
+        "rank1": (3, 7, 10),
         "deep_ensemble": (3, 7, 10),
         "mc_dropout": (3, 7, 10),
     }
@@ -192,8 +193,14 @@ def test_methods_are_what_they_claim(data):
     assert trained["mc_dropout"].params == single
     # BatchEnsemble: the shared kernels + per-member r, s and biases.
     assert single < trained["batchensemble"].params < 2 * single
+    # rank1: BatchEnsemble + a posterior scale per fast weight.
+    fast = sum(3 * (i + o) for i, o in ((40, 256), (256, 256), (256, 10)))
+    assert trained["rank1"].params == trained["batchensemble"].params + fast
+    # rank1 predicts with one draw per member: two predictions differ.
+    first = trained["rank1"].predict(data.x_test[:7])
+    assert not np.allclose(first, trained["rank1"].predict(data.x_test[:7]))
     # Members differ (fast weights, initialisations, dropout masks).
-    for method in ("batchensemble", "deep_ensemble", "mc_dropout"):
+    for method in ("batchensemble", "rank1", "deep_ensemble", "mc_dropout"):
         logits = trained[method].predict(data.x_test[:7])
         assert not np.allclose(logits[0], logits[1]), method
     for t in trained.values():
@@ -207,6 +214,7 @@ def test_methods_are_what_they_claim(data):
         ("mc_dropout", {}, 1),
         ("batchensemble", {}, 1),  # one batch, tiled for every member
         ("batchensemble", {"tiled": False}, 3),  # a batch of its own each
+        ("rank1", {}, 1),
         ("deep_ensemble", {}, 3),
     ],
 )

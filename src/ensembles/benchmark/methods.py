@@ -1,4 +1,4 @@
-"""The four ways of running an ensemble that the benchmark compares.
+"""The five ways of running an ensemble that the benchmark compares.
 
 Every method processes the same ``E*B`` member-samples ``x`` (member ``k`` owns
 rows ``[k*B, (k+1)*B)``):
@@ -7,6 +7,10 @@ rows ``[k*B, (k+1)*B)``):
   member on the whole batch);
 - ``batchensemble``: the model converted by :func:`ensembles.to_batch_ensemble`
   on the member-major ``[E*B, ...]`` batch;
+- ``rank1``: the same conversion with rank-1 Bayesian fast weights
+  (``posterior="gaussian"``), in training mode: every step draws all members'
+  fast weights, and a train step's loss adds :func:`ensembles.kl_divergence`
+  (in evaluation it runs ``batchensemble``'s very program, on the means);
 - ``deep_ensemble``: E independent plain models whose states are stacked and run
   together with ``nnx.vmap``, model ``k`` on its ``[B, ...]`` slice;
 - ``deep_ensemble_loop``: the same E models run one after another, a jitted
@@ -44,6 +48,7 @@ __all__ = [
 METHODS: tuple[str, ...] = (
     "single",
     "batchensemble",
+    "rank1",
     "deep_ensemble",
     "deep_ensemble_loop",
 )
@@ -131,7 +136,7 @@ def check_convertible(model: str, impl: str = "auto") -> None:
       ValueError: if a layer of ``model`` stays a plain Flax layer, or a
         converted layer has no implementation ``impl``.
     """
-    tiny = _convert(build_model(model, width=1, rngs=nnx.Rngs(0)), 1, None, 0)
+    tiny = _convert(build_model(model, width=1, rngs=nnx.Rngs(0)), 1, None, 0, None)
     try:
         nnx.view(tiny, impl=impl)
     except ValueError as error:
@@ -206,9 +211,10 @@ def prepare_method(
     if method == "single":
         module = build_model(model, width=width, rngs=nnx.Rngs(seed))
         return _prepare_one(method, module, mode, x, labels)
-    if method == "batchensemble":
+    if method in ("batchensemble", "rank1"):
         base = build_model(model, width=width, rngs=nnx.Rngs(seed))
-        module = _convert(base, num_members, fast_weight_init, seed)
+        posterior = "gaussian" if method == "rank1" else None
+        module = _convert(base, num_members, fast_weight_init, seed, posterior)
         return _prepare_one(method, nnx.view(module, impl=impl), mode, x, labels)
     members = [
         build_model(model, width=width, rngs=nnx.Rngs(seed + k))
@@ -221,12 +227,16 @@ def prepare_method(
     return _prepare_loop(members, mode, xs, ys)
 
 
-def _convert(base, num_members, fast_weight_init, seed):
+def _convert(base, num_members, fast_weight_init, seed, posterior):
     kwargs = {}
     if fast_weight_init is not None:
         kwargs = {"r_init": fast_weight_init, "s_init": fast_weight_init}
     converted = ensembles.to_batch_ensemble(
-        base, num_members=num_members, rngs=nnx.Rngs(seed + 10_000), **kwargs
+        base,
+        num_members=num_members,
+        rngs=nnx.Rngs(seed + 10_000),
+        posterior=posterior,
+        **kwargs,
     )
     left = [
         f"{'/'.join(map(str, path))} ({type(node).__name__})"
@@ -314,9 +324,17 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
         )
 
     def loss_fn(params, rest, x, y):
-        loss = _cross_entropy(forward(params, rest, x), y)
+        # Fresh Variables for `rest` inside the grad trace: a rank-1 model's
+        # rng stream advances when it draws, as nnx.Dropout's does.
+        model = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+        loss = _cross_entropy(model(x), y)
+        if method == "rank1":
+            # The rank-1 loss (docs/rank1.md), over a data set of these rows.
+            loss = loss + ensembles.kl_divergence(model) / x.shape[0]
         return loss, loss
 
+    # A rank-1 model's rng stream is part of `rest`, which steps do not carry
+    # over: every timed step draws with the same key, at the same cost.
     compiled, opt_state, _ = _compile_train(loss_fn, params, rest, x, labels)
     state = {"params": params, "opt_state": opt_state}
 

@@ -216,7 +216,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       One dict per (model, E, method), in first-seen order, with ``seeds``
       (how many), ``params`` and, for ``train_s`` and every measurement,
       ``{"mean": m, "std": s}`` (sample standard deviation; 0 for one seed).
-      A ``gap_closed`` entry on ``batchensemble`` rows with a single model and
+      A ``gap_closed`` entry on ``batchensemble`` and ``rank1`` rows with a
+      single model and
       a deep ensemble beside them gives the fraction of the NLL gap from one
       model to the deep ensemble that it closes, in distribution and under
       shift (mean over severities).
@@ -263,7 +264,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         summary.append(entry)
     by_key = {(e["model"], e["members"], e["method"]): e for e in summary}
     for entry in summary:
-        if entry["method"] != "batchensemble":
+        if entry["method"] not in ("batchensemble", "rank1"):
             continue
         single = by_key.get((entry["model"], entry["members"], "single"))
         deep = by_key.get((entry["model"], entry["members"], "deep_ensemble"))

@@ -10,6 +10,14 @@ with the same optimizer, learning rate, batch size B and number of steps:
   the mean of the member losses (:func:`ensembles.training.cross_entropy`),
   the fast weights get no weight decay and :data:`FAST_LR_MULTIPLIER` times
   the learning rate (:func:`ensembles.optim.split_fast_weights`);
+- ``rank1``: ``batchensemble`` with rank-1 Bayesian fast weights
+  (``posterior="gaussian"``, the library's prior and posterior defaults),
+  trained by the recipe of ``docs/rank1.md``: the loss adds
+  :func:`ensembles.kl_divergence` over the training-set size, its weight
+  annealed linearly from 0 to 1 over the first :data:`KL_ANNEALING` of the
+  steps (uncertainty-baselines anneals over 200 of 250 epochs); predicted as
+  uncertainty-baselines does (``num_eval_samples=1``): one draw of every
+  member's fast weights per prediction, at BatchEnsemble's cost;
 - ``deep_ensemble``: E independently initialised models under ``nnx.vmap``,
   each on B examples of its own per step
   (:func:`ensembles.training.member_batches`);
@@ -41,6 +49,7 @@ __all__ = [
     "BATCH_SIZE",
     "DROPOUT_RATE",
     "FAST_LR_MULTIPLIER",
+    "KL_ANNEALING",
     "LEARNING_RATE",
     "QUALITY_METHODS",
     "QUALITY_MODELS",
@@ -58,6 +67,7 @@ QUALITY_MODELS: tuple[str, ...] = ("cnn", "mlp")
 QUALITY_METHODS: tuple[str, ...] = (
     "single",
     "batchensemble",
+    "rank1",
     "deep_ensemble",
     "mc_dropout",
 )
@@ -72,6 +82,9 @@ STEPS: int = 2000
 
 #: The fast weights' learning rate over the shared weights' (the recipe).
 FAST_LR_MULTIPLIER: float = 0.5
+
+#: The share of the steps over which ``rank1``'s KL weight rises from 0 to 1.
+KL_ANNEALING: float = 0.8
 
 #: Dropout rate of ``mc_dropout``.
 DROPOUT_RATE: float = 0.1
@@ -189,8 +202,9 @@ def train_method(
 ) -> Trained:
     """Builds and trains one method; see the module docs for the recipes.
 
-    The last three arguments vary ``batchensemble``'s recipe (the benchmark
-    keeps their defaults; ``benchmarks/quality_recipe.py`` measures them).
+    The last three arguments vary ``batchensemble``'s (and ``rank1``'s)
+    recipe (the benchmark keeps their defaults;
+    ``benchmarks/quality_recipe.py`` measures them).
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality_methods import train_method
@@ -252,7 +266,7 @@ def train_method(
         model = create(nnx.Rngs(params_key))
         members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
 
-        def loss_fn(model, key):
+        def loss_fn(model, key, step):
             x, y = draw(key, E)  # B examples of its own per member
             logits = members_logits(model, x.reshape(E, batch, -1))
             return ensembles.training.cross_entropy(
@@ -262,7 +276,7 @@ def train_method(
         def predict_fn(model, x):
             return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
 
-    elif method == "batchensemble":
+    elif method in ("batchensemble", "rank1"):
         inits = (
             {}
             if fast_weight_init is None
@@ -275,16 +289,24 @@ def train_method(
             build_quality_model(model_name, rngs=nnx.Rngs(params_key)),
             num_members=E,
             rngs=nnx.Rngs(fast_key),
+            posterior="gaussian" if method == "rank1" else None,
             **inits,
         )
+        kl_weight = optax.linear_schedule(
+            0.0, 1.0, transition_steps=max(1, int(KL_ANNEALING * steps))
+        )
 
-        def loss_fn(model, key):
+        def loss_fn(model, key, step):
             if tiled:
                 x, y = draw(key, 1)  # the same B examples for every member
                 x = ensembles.tile(x, E)
             else:
                 x, y = draw(key, E)  # B examples of its own per member
-            return ensembles.training.cross_entropy(model(x), y, num_members=E)
+            loss = ensembles.training.cross_entropy(model(x), y, num_members=E)
+            if method == "rank1":
+                kl = ensembles.kl_divergence(model)
+                loss = loss + kl_weight(step) * kl / count
+            return loss
 
         def predict_fn(model, x):
             return ensembles.untile(model(ensembles.tile(x, E)), E)
@@ -295,7 +317,7 @@ def train_method(
             model_name, dropout=dropout, rngs=nnx.Rngs(params_key)
         )
 
-        def loss_fn(model, key):
+        def loss_fn(model, key, step):
             x, y = draw(key, 1)
             logits = model(x)
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -310,23 +332,23 @@ def train_method(
             def predict_fn(model, x):
                 return model(x)[None]
 
-    fast = fast_lr_multiplier if method == "batchensemble" else None
+    fast = fast_lr_multiplier if method in ("batchensemble", "rank1") else None
     optimizer = _optimizer(model, fast)
 
     @nnx.jit
-    def train_step(model, optimizer, key):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, key)
+    def train_step(model, optimizer, key, step):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, key, step)
         optimizer.update(model, grads)
         return loss
 
     keys = jax.random.split(batches_key, steps)
     start = time.perf_counter()
     for step in range(steps):
-        loss = train_step(model, optimizer, keys[step])
+        loss = train_step(model, optimizer, keys[step], jnp.asarray(step))
     jax.block_until_ready(loss)
     train_s = time.perf_counter() - start
-    if method != "mc_dropout":
-        model.eval()  # (no method but mc_dropout has dropout or norms)
+    if method not in ("mc_dropout", "rank1"):
+        model.eval()  # mc_dropout keeps its masks, rank1 its draws
     predict = nnx.jit(predict_fn)
     return Trained(
         method=method,

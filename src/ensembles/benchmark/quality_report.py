@@ -90,6 +90,7 @@ def _title(group: list[dict[str, Any]]) -> str:
 
 
 def _gap_line(group: list[dict[str, Any]]) -> str:
+    lines = []
     for entry in group:
         gap = entry.get("gap_closed")
         if gap:
@@ -102,11 +103,11 @@ def _gap_line(group: list[dict[str, Any]]) -> str:
                     ("shift_mean", "under shift"),
                 )
             ]
-            return (
-                "batchensemble closes this much of the NLL gap from single to "
-                "deep_ensemble: " + ", ".join(parts) + "."
+            lines.append(
+                f"{entry['method']} closes this much of the NLL gap from single "
+                "to deep_ensemble: " + ", ".join(parts) + "."
             )
-    return ""
+    return "\n".join(lines)
 
 
 def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> str:

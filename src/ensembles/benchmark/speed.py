@@ -31,7 +31,7 @@ def run_benchmark(
 ) -> list[dict[str, Any]]:
     """Times every method for every model, mode and E; returns one row each.
 
-    The four methods of one (model, mode, E) are compiled, then timed in
+    The five methods of one (model, mode, E) are compiled, then timed in
     interleaved rounds (2 untimed warm-up calls each). Every ratio is a ratio
     of the printed medians; "the deep ensemble" of the ratios is the faster of
     ``deep_ensemble`` (vmap) and ``deep_ensemble_loop``.
@@ -40,8 +40,8 @@ def run_benchmark(
     >>> rows = run_benchmark(models=["linear"], modes=["forward"], members=[2],
     ...                      batch=2, width=4, repeats=2)
     >>> [row["method"] for row in rows]
-    ['single', 'batchensemble', 'deep_ensemble', 'deep_ensemble_loop']
-    >>> rows[2]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
+    ['single', 'batchensemble', 'rank1', 'deep_ensemble', 'deep_ensemble_loop']
+    >>> rows[3]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
     (True, 1.0)
 
     Args:

@@ -604,6 +604,7 @@ class TestErrors:
             ({"prior_stddev": True}, TypeError, r"`prior_stddev`"),
             ({"deterministic": 1}, TypeError, r"`deterministic`.*1"),
             ({"rng_collection": 3}, TypeError, r"`rng_collection`.*3"),
+            ({"rng_collection": ""}, ValueError, r"`rng_collection`.*''"),
         ],
     )
     @pytest.mark.parametrize("kind", sorted(LAYERS))

@@ -148,7 +148,8 @@ def to_batch_ensemble(
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
         is invalid (or an initializer fails). Nothing (neither ``model`` nor
         ``rngs``) is changed then.
-      TypeError: if ``rngs`` is not an ``nnx.Rngs``.
+      TypeError: if ``rngs`` is not an ``nnx.Rngs`` or ``prior_stddev`` is
+        not a number.
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)

@@ -73,11 +73,11 @@ def check_prior_stddev(prior_stddev: Any) -> float:
     return float(prior_stddev)
 
 
-def check_deterministic(deterministic: Any, name: str = "deterministic") -> bool:
+def check_deterministic(deterministic: Any) -> bool:
     """Checks a ``deterministic`` flag: a bool."""
     if not isinstance(deterministic, bool):
         raise TypeError(
-            f"`{name}` must be a bool (True: use the posterior means), got "
+            f"`deterministic` must be a bool (True: use the posterior means), got "
             f"{deterministic!r} of type {type(deterministic).__name__}."
         )
     return deterministic
@@ -85,10 +85,16 @@ def check_deterministic(deterministic: Any, name: str = "deterministic") -> bool
 
 def check_rng_collection(rng_collection: Any) -> str:
     """Checks the name of the rng stream the draws come from."""
-    if not isinstance(rng_collection, str) or not rng_collection:
+    if not isinstance(rng_collection, str):
         raise TypeError(
-            f"`rng_collection` must be a non-empty str naming an `nnx.Rngs` "
-            f"stream (e.g. 'posterior'), got {rng_collection!r}."
+            f"`rng_collection` must be a str naming an `nnx.Rngs` stream (e.g. "
+            f"'posterior'), got {rng_collection!r} of type "
+            f"{type(rng_collection).__name__}."
+        )
+    if not rng_collection:
+        raise ValueError(
+            "`rng_collection` must name an `nnx.Rngs` stream, got the empty "
+            "string ''; pass e.g. 'posterior'."
         )
     return rng_collection
 

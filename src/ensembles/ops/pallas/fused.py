@@ -9,6 +9,11 @@
 * any other platform (e.g. ROCm, never run): the ``jnp`` formulation
   :func:`dense_reference`.
 
+:mod:`.mosaic_gpu` (Hopper, bfloat16, forward only) runs only where asked for
+(``_family="hopper"``): compiled with ``interpret=False``, in jax's Mosaic GPU
+interpreter otherwise; its gradient is :func:`dense_reference`'s. It has not
+run on a GPU yet, so no platform picks it.
+
 Every family runs on operands zero-padded to its :class:`~.blocks.Tiling`
 (:func:`_pad_operands`), and the results are sliced back, so no kernel touches memory
 outside an array. The VJP keeps only the operands ``(x, kernel, r, s)`` as
@@ -27,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.pallas import mosaic_tpu, triton
+from ensembles.ops.pallas import mosaic_gpu, mosaic_tpu, triton
 from ensembles.ops.pallas.blocks import BlockSizes, pad_to, tiling
 from ensembles.ops.pallas.common import KernelConfig
 
@@ -143,7 +148,8 @@ class FusedConfig:
     # interpreter; a pltpu.InterpretParams: the "tpu" family in the simulator.
     interpret: Any
     # None: chosen per platform; "gpu" / "tpu": interpret that family (tests
-    # run both families on CPU this way).
+    # run both families on CPU this way); "hopper": the Mosaic GPU forward,
+    # compiled unless `interpret`.
     family: str | None
     has_bias: bool
 
@@ -218,6 +224,10 @@ def _reference_backward(x3, w, r, s, g3, config):
 
 def _dispatch(config: FusedConfig, run_family, reference, *args):
     """Runs ``run_family(family, *args, config, interpret)`` for the platform."""
+    if config.family == "hopper":
+        # Only _fused_bwd gets here: the Hopper family has a forward kernel
+        # only, its gradient is the reference's.
+        return reference(*args, config)
     if config.family is not None:
         return run_family(config.family, *args, config, True)
     if config.interpret is True:
@@ -236,6 +246,10 @@ def _dispatch(config: FusedConfig, run_family, reference, *args):
 def _forward(x3, w, r, s, bias, config: FusedConfig):
     # The bias is closed over, not passed: it may be None, and
     # platform_dependent's branches take arrays only.
+    if config.family == "hopper":
+        kernel_config = config.kernel_config(config.interpret)
+        return mosaic_gpu.forward(x3, w, r, s, bias, kernel_config)
+
     def family_forward(family, x3, w, r, s, config, interpret):
         return _family_forward(family, x3, w, r, s, bias, config, interpret)
 
@@ -312,7 +326,11 @@ def fused_dense(
         interpreter on any platform. A ``pltpu.InterpretParams(...)`` runs the
         TPU kernel in Pallas' TPU simulator.
       block_sizes: tile sizes, :class:`BlockSizes` (default: ``BlockSizes()``).
-      _family: tests only: ``"gpu"`` or ``"tpu"`` interprets that kernel family.
+      _family: tests and benchmarks only: ``"gpu"`` or ``"tpu"`` interprets
+        that kernel family; ``"hopper"`` runs the Mosaic GPU forward kernel of
+        :mod:`.mosaic_gpu` (bfloat16; compiled with ``interpret=False``, for a
+        Hopper GPU; in jax's Mosaic GPU interpreter otherwise, jax >= 0.12).
+        Not yet run on a GPU.
 
     Returns:
       The ``[E*B, ..., out_features]`` outputs.
@@ -322,9 +340,13 @@ def fused_dense(
     """
     if block_sizes is None:
         block_sizes = BlockSizes()
-    if _family not in (None, "gpu", "tpu"):
-        raise ValueError(f"`_family` must be None, 'gpu' or 'tpu', got {_family!r}.")
+    if _family not in (None, "gpu", "tpu", "hopper"):
+        raise ValueError(
+            f"`_family` must be None, 'gpu', 'tpu' or 'hopper', got {_family!r}."
+        )
     dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
+    if _family == "hopper":
+        mosaic_gpu.check_dtype(dtype)
     config = FusedConfig(
         blocks=block_sizes,
         precision=precision,

@@ -119,13 +119,21 @@ def _swizzled(block_minor: int, dtype, role: str) -> tuple:
 
 
 def _num_programs(interpret) -> int:
+    """Programs of the persistent grid: one per streaming multiprocessor."""
     if interpret is not False:
         return INTERPRET_PROGRAMS
-    mesh = jax.sharding.get_abstract_mesh()
-    device = getattr(mesh, "abstract_device", None)
-    if device is not None:  # lowering for a GPU this machine lacks
-        return device.num_cores
-    return jax.devices()[0].core_count
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is None:
+        device = jax.devices()[0]
+    cores = getattr(device, "num_cores", None) or getattr(device, "core_count", None)
+    if not cores:
+        raise ValueError(
+            f"The compiled Hopper kernel launches one program per streaming "
+            f"multiprocessor, but device {device!r} does not say how many it has. "
+            f"Run it on a GPU, or lower it under an AbstractMesh whose "
+            f"AbstractDevice gives num_cores."
+        )
+    return cores
 
 
 def _kernel_body(

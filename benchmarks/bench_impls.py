@@ -7,7 +7,10 @@ ratio to a plain dense layer on the same ``[E*B, in]`` rows (``x @ W + b``:
 the same matmuls, the limit) and to a deep ensemble (E kernels in one batched
 einsum). Medians of per-round ratios over interleaved rounds in one process:
 compare ratios, not milliseconds, across machines. On CPU the Pallas kernel
-only interprets, so it is not timed there. This is what decides the rows of
+only interprets, so it is not timed there. On a Hopper GPU in bfloat16 it also
+times ``hopper``, the Mosaic GPU forward kernel (``fused_dense(...,
+_family="hopper")``; its gradient is the jnp formulation's), which no ``impl``
+runs until these figures say it should. This is what decides the rows of
 ``ensembles.ops.cost.AUTO_TABLE``::
 
     python -m benchmarks.bench_impls [--dtype bfloat16] [--repeats 20] [--json out.json]
@@ -22,6 +25,7 @@ import numpy as np
 
 from ensembles.benchmark.timing import interleaved_times, median, paired_ratio
 from ensembles.ops import batch_ensemble_dense
+from ensembles.ops.pallas import fused_dense, mosaic_gpu
 
 # (E, B, in, out): shared/notes/gpu.md's speed table.
 SHAPES = [
@@ -67,10 +71,19 @@ def methods(shape, impls):
         y = jnp.einsum("ebi,eio->ebo", xs, kernels) + bias[:, None, :]
         return y.reshape(x.shape[0], -1)
 
+    def hopper(x, kernel, r, s, bias):
+        return fused_dense(x, kernel, r, s, bias, _family="hopper")
+
     found = {"linear": linear, "deep": deep}
     for impl in impls:
-        found[impl] = lambda *a, impl=impl: batch_ensemble_dense(
-            *a, num_members=num_members, impl=impl
+        found[impl] = (
+            hopper
+            if impl == "hopper"
+            else (
+                lambda *a, impl=impl: batch_ensemble_dense(
+                    *a, num_members=num_members, impl=impl
+                )
+            )
         )
     return found
 
@@ -129,6 +142,8 @@ def main(argv=None):
     backend = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
     impls = ["xla", "auto"] + ([] if backend == "cpu" else ["pallas"])
+    if dtype in mosaic_gpu.SUPPORTED_DTYPES and mosaic_gpu.is_hopper(jax.devices()[0]):
+        impls.append("hopper")
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({backend}), "
         f"{dtype.name}; medians of {args.repeats} interleaved rounds; "

@@ -25,9 +25,8 @@ ON_GPU = jax.default_backend() == "gpu"
 
 def _runnable():
     if ON_GPU:
-        kind = jax.devices()[0].device_kind
-        if not any(name in kind for name in ("H100", "H200", "H800", "GH200")):
-            pytest.skip(f"the Hopper kernel needs a Hopper GPU, not {kind}")
+        if not mosaic_gpu.is_hopper(jax.devices()[0]):
+            pytest.skip(f"needs a Hopper GPU, not {jax.devices()[0].device_kind}")
     elif not hasattr(plgpu, "InterpretGPUParams"):
         pytest.skip(
             f"jax {jax.__version__} has no Mosaic GPU interpreter (jax >= 0.12); "

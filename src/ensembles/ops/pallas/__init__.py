@@ -21,14 +21,16 @@ Modules, one concern each:
   matmul the families share.
 * :mod:`.triton`: the GPU family (Triton), interpreted on CPU.
 * :mod:`.mosaic_tpu`: the TPU family (Mosaic).
+* :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), reached only
+  through ``fused_dense(..., _family="hopper")`` until it is measured on a GPU.
 * :mod:`.fused`: dtype checks, the per-platform family choice, padding and
   slicing, and the ``jax.custom_vjp``.
 
 Whether ``impl="auto"`` runs these kernels is decided in
 :mod:`ensembles.ops.plan`, from the measured table of
-:mod:`ensembles.ops.cost`, not here. A new family (e.g. Mosaic GPU for Hopper)
-is a new module with ``forward`` and ``backward`` on padded operands,
-registered in :mod:`.fused`.
+:mod:`ensembles.ops.cost`, not here. A new family
+is a new module with ``forward`` and ``backward``, registered in
+:mod:`.fused`.
 """
 
 from ensembles.ops.pallas.blocks import BlockSizes

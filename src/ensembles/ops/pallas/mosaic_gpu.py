@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ensembles.ops.pallas.blocks import pad_to, round_up
 from ensembles.ops.pallas.common import KernelConfig
 
-__all__ = ["SUPPORTED_DTYPES", "HopperTiles", "forward", "hopper_tiles"]
+__all__ = ["SUPPORTED_DTYPES", "HopperTiles", "forward", "hopper_tiles", "is_hopper"]
 
 #: The operand dtypes the kernel computes in.
 SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (jnp.dtype(jnp.bfloat16),)
@@ -106,6 +106,16 @@ def hopper_tiles(rows: int, in_features: int, out_features: int, dtype) -> Hoppe
         in_features=round_up(max(in_features, STAGES * tile_k), tile_k),
         out_features=round_up(out_features, 2 * tile_n),
     )
+
+
+def is_hopper(device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.x).
+
+    >>> is_hopper(jax.devices("cpu")[0])
+    False
+    """
+    capability = str(getattr(device, "compute_capability", "") or "")
+    return device.platform == "gpu" and capability.split(".")[0] == "9"
 
 
 def _swizzled(block_minor: int, dtype, role: str) -> tuple:

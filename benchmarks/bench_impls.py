@@ -76,15 +76,11 @@ def methods(shape, impls):
 
     found = {"linear": linear, "deep": deep}
     for impl in impls:
-        found[impl] = (
-            hopper
-            if impl == "hopper"
-            else (
-                lambda *a, impl=impl: batch_ensemble_dense(
-                    *a, num_members=num_members, impl=impl
-                )
-            )
+        found[impl] = lambda *a, impl=impl: batch_ensemble_dense(
+            *a, num_members=num_members, impl=impl
         )
+    if "hopper" in impls:
+        found["hopper"] = hopper
     return found
 
 

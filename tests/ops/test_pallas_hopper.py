@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ensembles.ops.pallas import fused_dense, mosaic_gpu
@@ -67,12 +68,14 @@ def test_forward_matches_per_member_loop(shape, use_bias):
 
 
 def test_float32_output_and_jit_and_middle_axes():
-    """preferred_element_type=float32 keeps the float32 accumulator; under jit."""
+    """preferred_element_type=float32 keeps the float32 accumulator; jit, HIGHEST."""
     _runnable()
     x, kernel, r, s, bias = make_args(1, 2, 6, (3,), 72, 136, jnp.bfloat16)
-    y = jax.jit(lambda *a: hopper(*a, preferred_element_type=jnp.float32))(
-        x, kernel, r, s, bias
-    )
+    y = jax.jit(
+        lambda *a: hopper(
+            *a, preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST
+        )
+    )(x, kernel, r, s, bias)
     assert y.dtype == jnp.float32 and y.shape == (12, 3, 136)
     expected = dense_reference(x, kernel, r, s, bias, 2)
     # Products of bfloat16 operands are exact in float32: only the rounding of
@@ -137,27 +140,48 @@ def test_unknown_family_is_refused():
         fused_dense(x, kernel, r, s, bias, _family="x")
 
 
+def test_interpreter_needs_jax_0_12():
+    if hasattr(plgpu, "InterpretGPUParams"):
+        pytest.skip(f"jax {jax.__version__} has the Mosaic GPU interpreter")
+    x, kernel, r, s, bias = make_args(0, 2, 4, (), 8, 8, jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"needs jax >= 0.12.*this is jax"):
+        fused_dense(x, kernel, r, s, bias, _family="hopper", interpret=True)
+
+
+def _lower_for_h100(fn, args, num_cores):
+    device = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=num_cores, platform="cuda"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(fn).trace(*specs)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_compiled_kernel_needs_the_number_of_sms():
+    if not hasattr(jax.sharding, "AbstractDevice"):
+        pytest.skip(f"jax {jax.__version__} has no jax.sharding.AbstractDevice")
+    args = make_args(0, 2, 64, (), 128, 128, jnp.bfloat16, False)[:4]
+
+    def fn(*a):
+        return fused_dense(*a, _family="hopper")
+
+    with pytest.raises(ValueError, match=r"one program per streaming.*num_cores"):
+        _lower_for_h100(fn, args, num_cores=None)
+
+
 @pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "nobias"])
 def test_lowers_for_cuda_from_cpu(use_bias):
     """Compiled (interpret=False) it lowers to one Mosaic GPU custom call."""
     if not hasattr(jax.sharding, "AbstractDevice"):
         pytest.skip(f"jax {jax.__version__} has no jax.sharding.AbstractDevice")
     x, kernel, r, s, bias = make_args(0, 3, 37, (), 200, 130, jnp.bfloat16, use_bias)
-    device = jax.sharding.AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda"
-    )
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     args = [a for a in (x, kernel, r, s, bias) if a is not None]
 
     def fn(*a):
         return fused_dense(*a, _family="hopper")
 
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = (
-            jax.jit(fn)
-            .trace(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+    text = _lower_for_h100(fn, args, num_cores=132)
     assert text.count("custom_call @mosaic_gpu") == 1
     assert "triton" not in text

@@ -46,7 +46,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ensembles.ops.pallas.blocks import pad_to, round_up
 from ensembles.ops.pallas.common import KernelConfig
 
-__all__ = ["SUPPORTED_DTYPES", "HopperTiles", "forward", "hopper_tiles", "is_hopper"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "HopperTiles",
+    "check_dtype",
+    "forward",
+    "hopper_tiles",
+    "is_hopper",
+]
 
 #: The operand dtypes the kernel computes in.
 SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (jnp.dtype(jnp.bfloat16),)
@@ -304,8 +311,10 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
 
     Returns:
       The ``[E, R, out]`` outputs in ``config.out_dtype``.
+
+    The caller (:func:`~ensembles.ops.pallas.fused_dense`) has checked the
+    dtype with :func:`check_dtype`.
     """
-    check_dtype(x3.dtype)
     num_members, rows, in_features = x3.shape
     out_features = w.shape[1]
     tiles = hopper_tiles(rows, in_features, out_features, x3.dtype)

@@ -83,6 +83,40 @@ class TestToBatchEnsemble:
             ensembles.to_batch_ensemble(once, num_members=3, rngs=rngs)
         assert int(rngs.params.count[...]) == count_before
 
+    @pytest.mark.parametrize(
+        ("first", "second", "match"),
+        [
+            ({}, {"posterior": "gaussian"}, r"`posterior` \(='gaussian'\) differs"),
+            ({"posterior": "gaussian"}, {}, r"`posterior` \(=None\) differs"),
+            (
+                {"posterior": "gaussian"},
+                {"posterior": "cauchy"},
+                r"`posterior` \(='cauchy'\) differs.*'gaussian'",
+            ),
+            (
+                {"posterior": "gaussian", "prior_stddev": 0.05},
+                {"posterior": "gaussian"},
+                r"`prior_stddev` \(=0.1\) differs.*prior_stddev=0.05",
+            ),
+        ],
+    )
+    def test_a_second_conversion_never_drops_a_posterior(self, first, second, match):
+        once = ensembles.to_batch_ensemble(
+            MLP(nnx.Rngs(0)), num_members=2, rngs=nnx.Rngs(1), **first
+        )
+        before = jax.tree.map(np.array, nnx.state(once, nnx.Param))
+        rngs = nnx.Rngs(2)
+        with pytest.raises(ValueError, match=match):
+            ensembles.to_batch_ensemble(once, num_members=2, rngs=rngs, **second)
+        assert_trees_equal(before, jax.tree.map(np.array, nnx.state(once, nnx.Param)))
+        assert int(rngs.params.count[...]) == 0
+        # The same arguments again: a no-op that keeps the posterior.
+        twice = ensembles.to_batch_ensemble(once, num_members=2, rngs=rngs, **first)
+        assert twice.inp.posterior == first.get("posterior")
+        assert float(ensembles.kl_divergence(twice)) == float(
+            ensembles.kl_divergence(once)
+        )
+
     def test_random_fast_weights_make_members_differ(self):
         model = MLP(nnx.Rngs(0))
         ensemble = ensembles.to_batch_ensemble(model, num_members=3, rngs=nnx.Rngs(1))

@@ -307,11 +307,19 @@ class TestKL:
 
 
 def _explicit_forward(x, kernel, r, s, r_raw, s_raw, bias, key, num_members):
-    """The reparameterised formula: one normal draw per member, then a loop
-    over the explicit weights ``W * outer(r~_k, s~_k)``, in at least float32."""
+    """The reparameterised formula: one normal draw per member (drawn in at
+    least float32, cast to the parameters' dtype), then a loop over the
+    explicit weights ``W * outer(r~_k, s~_k)``, in at least float32."""
     r_key, s_key = jax.random.split(key)
-    r_draw = r + jax.nn.softplus(r_raw) * jax.random.normal(r_key, r.shape, r.dtype)
-    s_draw = s + jax.nn.softplus(s_raw) * jax.random.normal(s_key, s.shape, s.dtype)
+
+    def draw(key, mean, raw):
+        wide = jnp.promote_types(mean.dtype, jnp.float32)
+        noise = jax.random.normal(key, mean.shape, wide)
+        return (mean.astype(wide) + jax.nn.softplus(raw.astype(wide)) * noise).astype(
+            mean.dtype
+        )
+
+    r_draw, s_draw = draw(r_key, r, r_raw), draw(s_key, s, s_raw)
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     rows = x.shape[0] // num_members
     return jnp.concatenate(

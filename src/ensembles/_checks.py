@@ -6,10 +6,12 @@ shows the offending value and says how to fix it.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -27,6 +29,37 @@ def check_positive_int(value: Any, name: str) -> int:
     if as_int < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {as_int}.")
     return as_int
+
+
+def check_real(value: Any, name: str) -> float:
+    """Returns ``value`` as a ``float`` if it is a real scalar, else raises.
+
+    A real scalar is what Flax accepts where it asks for a float: a Python
+    ``int`` or ``float``, a numpy scalar (``np.float32(0.1)``) or a 0-d numpy or
+    JAX array of a real dtype; not a bool, a complex number or a string. The
+    range is the caller's to check.
+    """
+    dtype = getattr(value, "dtype", None)
+    is_bool = isinstance(value, bool) or (
+        dtype is not None and np.dtype(dtype) == np.bool_
+    )
+    real_array = (
+        dtype is not None
+        and getattr(value, "shape", None) == ()
+        and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer))
+    )
+    if is_bool or not (isinstance(value, numbers.Real) or real_array):
+        raise TypeError(
+            f"`{name}` must be a real number (a Python, numpy or 0-d JAX float or "
+            f"int), got {value!r} of type {type(value).__name__}."
+        )
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            f"`{name}` must be a concrete number, got a traced value {value!r}: "
+            f"pass it as a Python float, outside `jax.jit`."
+        ) from None
 
 
 def check_num_members(num_members: Any) -> int:
@@ -102,20 +135,52 @@ def check_member_params(
             )
 
 
-def check_known_labels(labels: Any, num_classes: int) -> None:
-    """Raises if integer ``labels`` whose values are known lie outside [0, C).
+def check_labels(labels: Any, num_classes: int, hint: str = "") -> jax.Array:
+    """Checks integer class ``labels`` and returns them as a wide signed array.
 
-    Under ``jax.jit`` the values are not known and nothing is checked (the
-    callers make such labels give NaN instead).
+    Any integer dtype is accepted, signed or unsigned, 8 to 64 bits. The labels
+    come back as int32 (int64 for 64-bit labels, which exist only with
+    ``jax_enable_x64``), so that comparing them with ``num_classes`` or using
+    them as fill values never wraps around in a narrow dtype: ``uint8`` labels
+    of a 256-class problem mean what their int32 values mean. When the values
+    are known (not under ``jax.jit``) they must lie in ``[0, num_classes)``; they
+    are checked on the caller's own array, before JAX could truncate a 64-bit
+    value. Under ``jax.jit`` the callers make out-of-range labels give NaN.
+
+    Args:
+      labels: integer class indices.
+      num_classes: C; valid labels lie in ``[0, C)``.
+      hint: appended to the dtype error (how to fix other label formats).
+
+    Returns:
+      ``labels`` as an int32 (or int64) ``jax.Array`` of the same shape.
+
+    Raises:
+      TypeError: if ``labels`` are not integers (bools included).
+      ValueError: if a known label lies outside ``[0, num_classes)``.
     """
+    dtype = getattr(labels, "dtype", None)
+    dtype = np.dtype(dtype if dtype is not None else np.asarray(labels).dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(
+            f"`labels` must be integer class indices, got dtype {dtype}{hint}."
+        )
     try:
         values = np.asarray(labels)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return
-    bad = (values < 0) | (values >= num_classes)
-    if bad.any():
-        index = int(np.argmax(bad))
-        raise ValueError(
-            f"`labels` must lie in [0, C) = [0, {num_classes}), got "
-            f"labels[{index}] = {int(values[index])}."
-        )
+        values = None
+    if values is not None:
+        # numpy compares every integer dtype with a Python int exactly.
+        bad = (values < 0) | (values >= num_classes)
+        if bad.any():
+            index = np.unravel_index(int(np.argmax(bad)), values.shape)
+            shown = index[0] if len(index) == 1 else index
+            raise ValueError(
+                f"`labels` must lie in [0, C) = [0, {num_classes}), got "
+                f"labels[{shown}] = {int(values[index])}."
+            )
+    wide = jnp.int64 if dtype.itemsize == 8 and jax.config.jax_enable_x64 else jnp.int32
+    # Known values are in range, so the cast is exact; traced 64-bit labels
+    # exist only with x64 (kept int64); a traced uint32 label >= 2**31 turns
+    # negative, out of range, and the callers give NaN for it.
+    return jnp.asarray(values if values is not None else labels).astype(wide)

@@ -24,7 +24,7 @@ from flax.nnx import graph as nnx_graph
 from ensembles._checks import check_choice, check_num_members
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
-from ensembles.layers.base import EnsembleModule
+from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
 from ensembles.layers.batch_norm import EnsembleBatchNorm
 from ensembles.layers.conv import BatchEnsembleConv
 from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
@@ -95,7 +95,10 @@ def to_batch_ensemble(
     own fast weights from ``rngs``. With ``r_init = s_init =
     ones()`` every member computes exactly what ``model`` does. ``model`` itself
     is never changed. Layers that are already BatchEnsemble layers are left
-    alone, so converting a converted model again is a no-op (it returns a copy).
+    alone, so converting a converted model again with the same ``num_members``
+    and ``posterior`` is a no-op (it returns a copy); another ``num_members``,
+    ``posterior`` or ``prior_stddev`` raises, since those layers would not get
+    it.
 
     The converted model takes member-major ``[E*B, ...]`` batches (see
     :func:`ensembles.tile`, or wrap it in :class:`ensembles.Ensemble`).
@@ -144,7 +147,9 @@ def to_batch_ensemble(
 
     Raises:
       ValueError: if the model holds nothing to convert and no BatchEnsemble
-        layer, if its BatchEnsemble layers have another ``num_members``, if
+        layer, if its BatchEnsemble layers have another ``num_members`` or
+        another ``posterior`` or ``prior_stddev`` (a converted layer keeps its
+        fast weights), if
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
         is invalid (or an initializer fails). Nothing (neither ``model`` nor
         ``rngs``) is changed then.
@@ -168,6 +173,8 @@ def to_batch_ensemble(
         return any(predicate(p, node) for p in paths.get(id(node), [path]))
 
     layers, norm_layers, skipped_norms, existing = [], [], [], {}
+    posteriors: dict[str, str | None] = {}
+    priors: dict[str, float] = {}
     for path, node in nnx.iter_graph(model):
         where = "/".join(map(str, path))
         if type(node) in CONVERTERS and selected(path, node):
@@ -179,14 +186,36 @@ def to_batch_ensemble(
                 selected_paths.update(paths.get(id(node), [path]))
             else:
                 skipped_norms.append(where)
-        elif _is_ensemble_layer(node):
+        elif isinstance(node, EnsembleModule):
             existing[where] = node.num_members
+            if isinstance(node, BatchEnsembleModule) and node.posterior is not None:
+                priors[where] = node.prior_stddev
+            if isinstance(node, BatchEnsembleModule):
+                posteriors[where] = node.posterior
     mismatched = {w: e for w, e in existing.items() if e != num_members}
     if mismatched:
         raise ValueError(
             f"`num_members` (={num_members}) differs from the ensemble size of "
             f"layers `model` already holds: {mismatched}. Convert with "
             f"num_members={next(iter(mismatched.values()))}, or start from the "
+            f"plain model."
+        )
+    other_posterior = {w: p for w, p in posteriors.items() if p != posterior}
+    if other_posterior:
+        raise ValueError(
+            f"`posterior` (={posterior!r}) differs from that of the BatchEnsemble "
+            f"layers `model` already holds: {other_posterior}. A converted layer "
+            f"keeps the fast weights it was built with: convert the plain model "
+            f"with posterior={posterior!r}, or pass "
+            f"posterior={next(iter(other_posterior.values()))!r} to keep these "
+            f"layers as they are."
+        )
+    other_prior = {w: p for w, p in priors.items() if p != prior_stddev}
+    if posterior is not None and other_prior:
+        raise ValueError(
+            f"`prior_stddev` (={prior_stddev!r}) differs from that of the rank-1 "
+            f"layers `model` already holds: {other_prior}. Pass "
+            f"prior_stddev={next(iter(other_prior.values()))!r}, or convert the "
             f"plain model."
         )
     if skipped_norms and not norm_layers:
@@ -256,7 +285,3 @@ def _paths_to_nodes(model: Any) -> dict[int, list[tuple[Any, ...]]]:
         for key, child in reversed(list(node_impl.node_dict(node).items())):
             stack.append(((*path, key), child, inner))
     return paths
-
-
-def _is_ensemble_layer(node: Any) -> bool:
-    return isinstance(node, EnsembleModule)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.nn.initializers import Initializer
 
+from ensembles._checks import check_real
+
 __all__ = ["Initializer", "normal", "ones", "random_sign", "unconstrained_stddev"]
 
 
@@ -71,7 +73,10 @@ def normal(mean: float = 1.0, stddev: float = 0.6) -> Initializer:
 
     Raises:
       ValueError: if ``stddev`` is negative.
+      TypeError: if ``mean`` or ``stddev`` is not a real number.
     """
+    mean = check_real(mean, "mean")
+    stddev = check_real(stddev, "stddev")
     if not stddev >= 0:
         raise ValueError(f"`stddev` must be >= 0, got {stddev!r}.")
 
@@ -100,7 +105,9 @@ def random_sign(p: float = 0.5) -> Initializer:
 
     Raises:
       ValueError: if ``p`` is outside ``[0, 1]``.
+      TypeError: if ``p`` is not a real number.
     """
+    p = check_real(p, "p")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"`p` must be a probability in [0, 1], got {p!r}.")
 
@@ -148,7 +155,10 @@ def unconstrained_stddev(
 
     Raises:
       ValueError: if ``stddev`` is not positive or ``jitter`` is negative.
+      TypeError: if ``stddev`` or ``jitter`` is not a real number.
     """
+    stddev = check_real(stddev, "stddev")
+    jitter = check_real(jitter, "jitter")
     if not stddev > 0:
         raise ValueError(f"`stddev` must be > 0 (a posterior scale), got {stddev!r}.")
     if not jitter >= 0:

@@ -21,7 +21,7 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 
 from ensembles._checks import (
-    check_known_labels,
+    check_labels,
     check_member_batch,
     check_num_members,
     check_positive_int,
@@ -60,7 +60,8 @@ def cross_entropy(
 
     Args:
       logits: ``[E*B, C]`` member-major logits or ``[E, B, C]`` member logits.
-      labels: integer class indices, ``[B]`` (tiled batch) or ``[E*B]``.
+      labels: integer class indices of any integer dtype, ``[B]`` (tiled
+        batch) or ``[E*B]``.
       num_members: the ensemble size E.
 
     Returns:
@@ -74,7 +75,6 @@ def cross_entropy(
     """
     num_members = check_num_members(num_members)
     logits = jnp.asarray(logits)
-    labels = jnp.asarray(labels)
     if logits.ndim == 3:
         if logits.shape[0] != num_members:
             raise ValueError(
@@ -88,11 +88,9 @@ def cross_entropy(
             f"{tuple(logits.shape)}."
         )
     batch = check_member_batch(logits.shape[0], num_members, name="logits.shape[0]")
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(
-            f"`labels` must be integer class indices, got dtype {labels.dtype}: "
-            f"for one-hot labels pass `labels.argmax(-1)`."
-        )
+    labels = check_labels(
+        labels, logits.shape[1], hint=": for one-hot labels pass `labels.argmax(-1)`"
+    )
     if labels.shape == (batch,) and num_members > 1:
         labels = tile(labels, num_members)
     elif labels.shape != (logits.shape[0],):
@@ -103,7 +101,6 @@ def cross_entropy(
             f"{tuple(labels.shape)}."
         )
     num_classes = logits.shape[1]
-    check_known_labels(labels, num_classes)
     # Out-of-range labels (negative ones too, which a gather would wrap) pick
     # the fill value: the loss is NaN, never a finite wrong number.
     labels = jnp.where((labels < 0) | (labels >= num_classes), num_classes, labels)

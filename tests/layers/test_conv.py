@@ -733,8 +733,11 @@ class TestMembers:
         np.testing.assert_array_equal(view(x), layer(x))
         info = nnx.view_info(layer)
         assert cls.__name__ in info and "member: int | None = None" in info
+        # A dense kernel's name leaves a convolution's impl as it is.
+        dense_view = nnx.view(layer, member=1, impl="pallas")
+        assert dense_view.impl == layer.impl and dense_view.member == 1
         with pytest.raises(ValueError, match=r"`impl` must be one of"):
-            nnx.view(layer, member=1, impl="pallas")
+            nnx.view(layer, member=1, impl="triton")
         assert layer.member is None
 
 
@@ -893,7 +896,57 @@ class TestErrors:
             ),
         ],
     )
-    def test_bad_options_raise_on_call(self, cls, kwargs, match):
-        layer = cls(4, 6, (3, 3), num_members=3, rngs=nnx.Rngs(0), **kwargs)
+    def test_bad_options_raise_at_construction(self, cls, kwargs, match):
+        rngs = nnx.Rngs(0)
+        before = snapshot(rngs)
         with pytest.raises((ValueError, TypeError), match=match):
-            layer(random_array(0, (3, 5, 5, 4)))
+            cls(4, 6, (3, 3), num_members=3, rngs=rngs, **kwargs)
+        assert_same(before, snapshot(rngs))
+
+    @pytest.mark.parametrize("padding", ["SAME", "VALID", "same", "CIRCULAR"])
+    def test_string_padding_with_input_dilation_raises_at_construction(self, padding):
+        rngs = nnx.Rngs(0)
+        before = snapshot(rngs)
+        with pytest.raises(
+            ValueError,
+            match=r"`padding='.*'` is not defined with `input_dilation` "
+            r"\(=\(2, 1\)\) above 1.*\(low, high\) pair",
+        ):
+            BatchEnsembleConv(
+                4,
+                6,
+                (3, 3),
+                num_members=3,
+                padding=padding,
+                input_dilation=(2, 1),
+                rngs=rngs,
+            )
+        assert_same(before, snapshot(rngs))
+        # Flax constructs such a layer and fails only when it is called.
+        flax_layer = nnx.Conv(
+            4, 6, (3, 3), padding=padding, input_dilation=(2, 1), rngs=nnx.Rngs(0)
+        )
+        with pytest.raises(ValueError, match="String padding is not implemented"):
+            flax_layer(random_array(0, (1, 5, 5, 4)))
+
+    def test_explicit_padding_with_input_dilation_equals_flax(self):
+        padding = ((1, 1), (2, 0))
+        layer = BatchEnsembleConv(
+            4,
+            6,
+            (3, 3),
+            num_members=3,
+            padding=padding,
+            input_dilation=2,
+            r_init=initializers.ones(),
+            s_init=initializers.ones(),
+            rngs=nnx.Rngs(0),
+        )
+        flax_layer = nnx.Conv(
+            4, 6, (3, 3), padding=padding, input_dilation=2, rngs=nnx.Rngs(1)
+        )
+        flax_layer.kernel[...] = layer.kernel[...]
+        x = random_array(0, (2, 5, 5, 4))
+        y = layer(ensembles.tile(x, 3))
+        assert_close(y[:2], flax_layer(x))
+        assert_close(y[4:], flax_layer(x))

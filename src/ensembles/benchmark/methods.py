@@ -138,12 +138,27 @@ def check_convertible(model: str, impl: str = "auto") -> None:
     """
     tiny = _convert(build_model(model, width=1, rngs=nnx.Rngs(0)), 1, None, 0, None)
     try:
-        nnx.view(tiny, impl=impl)
+        view = nnx.view(tiny, impl=impl)
     except ValueError as error:
         raise ValueError(
             f"impl={impl!r} is not available for every layer of the {model} "
             f"model: {error}"
         ) from None
+    # A whole-model view leaves layers whose op lacks `impl` as they were; a
+    # benchmark row named after `impl` must not time them with another.
+    lacking = sorted(
+        {
+            type(node).__name__
+            for _, node in nnx.iter_graph(view)
+            if isinstance(node, ensembles.layers.BatchEnsembleModule)
+            and node.impl != impl
+        }
+    )
+    if lacking:
+        raise ValueError(
+            f"impl={impl!r} is not available for every layer of the {model} "
+            f"model: {lacking} have no such implementation."
+        )
 
 
 def prepare_method(

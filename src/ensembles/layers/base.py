@@ -18,10 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ensembles._checks import check_choice
 from ensembles.layers.posterior import check_deterministic
+from ensembles.ops.plan import IMPLS
 from ensembles.ops.posterior import sample_fast_weights
 
 __all__ = [
@@ -201,15 +203,21 @@ class BatchEnsembleModule(EnsembleModule):
           member: if an int ``k``, the layer runs member ``k`` alone on an
             un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
             effective weights would. ``None`` leaves the view unchanged.
-          impl: the op implementation, e.g. ``"xla"`` or ``"auto"``. ``None``
-            leaves it unchanged.
+          impl: the op implementation, e.g. ``"xla"`` or ``"pallas"``; a
+            layer whose op does not have it (``"pallas"`` on a convolution)
+            keeps its own, so that ``nnx.view(model, impl=...)`` sets it in
+            every layer that supports it and leaves the rest (use ``only=`` to
+            pick layers). A name no op knows raises. ``None`` leaves it
+            unchanged.
           deterministic: if True, a layer with a ``posterior`` uses the means
             of its fast weights; if False, it draws them on every call (no
             effect without a posterior). ``None`` leaves it unchanged.
         """
         # Check everything before setting anything: a failed view mutates nothing.
         if impl is not None:
-            impl = check_choice(impl, "impl", self._impls)
+            impl = check_choice(impl, "impl", IMPLS)
+            if impl not in self._impls:
+                impl = None  # another op's implementation: keep this layer's
         if deterministic is not None:
             deterministic = check_deterministic(deterministic)
         super().set_view(member=member)
@@ -217,6 +225,33 @@ class BatchEnsembleModule(EnsembleModule):
             self.impl = impl
         if deterministic is not None:
             self.deterministic = deterministic
+
+    def _call_operands(
+        self,
+        inputs: jax.Array,
+        kernel: jax.Array,
+        deterministic: bool | None,
+    ) -> tuple[int, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """The ensemble size and the promoted operands of one call.
+
+        The fast weights of this call (:meth:`_fast_weights`), sliced to the
+        viewed member (:meth:`~EnsembleModule._member_operands`), then the
+        layer's ``promote_dtype`` called as Flax's layers call it, on
+        ``(inputs, kernel, bias)``, so a custom function written to Flax's
+        contract works unchanged; ``r`` and ``s`` are cast to the dtype it
+        gives the kernel.
+
+        Returns:
+          ``(num_members, inputs, kernel, r, s, bias)``.
+        """
+        bias = None if self.bias is None else self.bias[...]
+        r, s = self._fast_weights(deterministic)
+        num_members, (r, s, bias) = self._member_operands(r, s, bias)
+        inputs, kernel, bias = self.promote_dtype(
+            (inputs, kernel, bias), dtype=self.dtype
+        )
+        r, s = (jnp.asarray(w, kernel.dtype) for w in (r, s))
+        return num_members, inputs, kernel, r, s, bias
 
     def _fast_weights(
         self, deterministic: bool | None = None

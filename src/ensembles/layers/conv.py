@@ -92,7 +92,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
       padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
         ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D only), an int, or one
         int or ``(low, high)`` pair per spatial dimension, as for ``nnx.Conv``;
-        checked here (:func:`ensembles.ops.conv.check_padding`).
+        checked here (:func:`ensembles.ops.conv.check_padding`): with an
+        ``input_dilation`` above 1 only explicit pairs, as lax defines.
       input_dilation: an int or one int per spatial dimension (default: 1).
       kernel_dilation: an int or one int per spatial dimension (default: 1).
       feature_group_count: the number of feature groups; it must divide
@@ -109,8 +110,9 @@ class BatchEnsembleConv(BatchEnsembleModule):
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
       r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.6)).
       s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.6)).
-      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
-        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
+        kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
+        ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the convolution.
       impl: the op implementation, ``"auto"`` or ``"xla"``; see
         :func:`ensembles.ops.batch_ensemble_conv`.
@@ -176,7 +178,14 @@ class BatchEnsembleConv(BatchEnsembleModule):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = conv.check_kernel_size(kernel_size)
-        conv.check_padding(padding, len(kernel_size))
+        rank = len(kernel_size)
+        conv.spatial_tuple(strides, "strides", rank)
+        conv.spatial_tuple(kernel_dilation, "kernel_dilation", rank)
+        conv.check_padding(
+            padding,
+            rank,
+            input_dilation=conv.spatial_tuple(input_dilation, "input_dilation", rank),
+        )
         feature_group_count = check_positive_int(
             feature_group_count, "feature_group_count"
         )
@@ -457,11 +466,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
         if self.mask is not None:
             # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
-        bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, kernel, r, s, bias), dtype=self.dtype
+        num_members, inputs, kernel, r, s, bias = self._call_operands(
+            inputs, kernel, deterministic
         )
         outputs = conv.batch_ensemble_conv(
             inputs,

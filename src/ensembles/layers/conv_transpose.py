@@ -106,8 +106,9 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
       s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.6)).
       transpose_kernel: if True, flip the kernel's spatial axes and swap its
         channel axes, as ``jax.lax.conv_transpose`` does.
-      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
-        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
+        kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
+        ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the convolution.
       impl: the op implementation, ``"auto"`` or ``"xla"``.
       posterior: ``None`` (point fast weights: BatchEnsemble) or
@@ -168,6 +169,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
         kernel_size = conv.check_kernel_size(kernel_size)
+        conv.spatial_tuple(strides, "strides", len(kernel_size))
+        conv.spatial_tuple(kernel_dilation, "kernel_dilation", len(kernel_size))
         conv.check_padding(padding, len(kernel_size), transpose=True)
         if transpose_kernel:
             channels = (out_features, in_features)
@@ -420,11 +423,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         if self.mask is not None:
             # As nnx.ConvTranspose: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
-        bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, kernel, r, s, bias), dtype=self.dtype
+        num_members, inputs, kernel, r, s, bias = self._call_operands(
+            inputs, kernel, deterministic
         )
         return conv_transpose.batch_ensemble_conv_transpose(
             inputs,

@@ -110,8 +110,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         (default: N(1, 0.6)).
       s_init: initializer for the ``[E, *kept dims]`` fast weights (default:
         N(1, 0.6)).
-      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
-        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
+        kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
+        ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the contraction.
       impl: the dense op implementation: ``"auto"``, ``"xla"`` or
         ``"pallas"``; see :func:`ensembles.ops.batch_ensemble_einsum`.
@@ -429,11 +430,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 f"which `r` and `s` were made for: keep each kernel letter in (or "
                 f"out of) the output as the layer's string does."
             )
-        bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        num_members, inputs, kernel, r, s, bias = self._call_operands(
+            inputs, self.kernel[...], deterministic
         )
         outputs = einsum.batch_ensemble_einsum(
             inputs,

@@ -93,8 +93,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
       r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.6)).
       s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.6)).
-      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
-        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
+        kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
+        ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the matmul, see
         ``jax.lax.dot_general``.
       impl: the op implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (the
@@ -381,11 +382,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Returns:
           The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
         """
-        bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        num_members, inputs, kernel, r, s, bias = self._call_operands(
+            inputs, self.kernel[...], deterministic
         )
         outputs = dense.batch_ensemble_dense(
             inputs,

@@ -145,8 +145,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         (default: N(1, 0.6)).
       precision: numerical precision of the contraction, see
         ``jax.lax.Precision``.
-      promote_dtype: function promoting ``(inputs, kernel, r, s, bias)`` to a
-        common dtype, called with a ``dtype`` keyword (default: Flax's).
+      promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
+        kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
+        ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the contraction.
       impl: the dense op implementation, ``"auto"`` or ``"xla"``; see
         :func:`ensembles.ops.batch_ensemble_dense`.
@@ -478,11 +479,8 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
           The outputs: the uncontracted axes of ``inputs`` in order, then
           ``out_features``.
         """
-        bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
-        inputs, kernel, r, s, bias = self.promote_dtype(
-            (inputs, self.kernel[...], r, s, bias), dtype=self.dtype
+        num_members, inputs, kernel, r, s, bias = self._call_operands(
+            inputs, self.kernel[...], deterministic
         )
         outputs = dense_general.batch_ensemble_dense_general(
             inputs,

@@ -22,9 +22,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.typing import Initializer
 
+from ensembles._checks import check_real
 from ensembles.initializers import unconstrained_stddev
 from ensembles.layers.parameters import new_param
 from ensembles.ops.posterior import POSTERIORS, fast_weight_kl
@@ -60,27 +62,23 @@ def check_posterior(posterior: Any) -> str | None:
 
 def check_prior_stddev(prior_stddev: Any) -> float:
     """Checks the prior's scale: a finite real number > 0."""
-    if isinstance(prior_stddev, bool) or not isinstance(prior_stddev, (int, float)):
-        raise TypeError(
-            f"`prior_stddev` must be a float > 0, got {prior_stddev!r} of type "
-            f"{type(prior_stddev).__name__}."
-        )
+    prior_stddev = check_real(prior_stddev, "prior_stddev")
     if not (math.isfinite(prior_stddev) and prior_stddev > 0):
         raise ValueError(
             f"`prior_stddev` must be a finite float > 0 (the prior's scale), got "
             f"{prior_stddev!r}; uncertainty-baselines uses 0.1 on CIFAR."
         )
-    return float(prior_stddev)
+    return prior_stddev
 
 
 def check_deterministic(deterministic: Any) -> bool:
-    """Checks a ``deterministic`` flag: a bool."""
-    if not isinstance(deterministic, bool):
+    """Checks a ``deterministic`` flag: a Python or numpy bool."""
+    if not isinstance(deterministic, bool | np.bool_):
         raise TypeError(
             f"`deterministic` must be a bool (True: use the posterior means), got "
             f"{deterministic!r} of type {type(deterministic).__name__}."
         )
-    return deterministic
+    return bool(deterministic)
 
 
 def check_rng_collection(rng_collection: Any) -> str:

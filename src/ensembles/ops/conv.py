@@ -28,11 +28,13 @@ serve :mod:`ensembles.ops.conv_transpose` too.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.nnx.nn.linear import canonicalize_padding
 from jax import lax
 
@@ -65,7 +67,7 @@ def spatial_tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]
     """Broadcasts ``value`` to ``rank`` positive ints, as Flax's layers do."""
     if value is None:  # Flax's sentinel for 1.
         value = 1
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _is_int(value):
         values = (value,) * rank
     else:
         try:
@@ -80,6 +82,17 @@ def spatial_tuple(value: IntOrSequence, name: str, rank: int) -> tuple[int, ...]
                 f"spatial dimension of the {rank}-D kernel), got {value!r}."
             )
     return tuple(check_positive_int(v, name) for v in values)
+
+
+def _is_int(value: Any) -> bool:
+    """Whether ``value`` is one integer (Python, numpy or 0-d JAX), not a bool."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 #: The padding strings lax reads in any case; Flax's own modes it does not.
@@ -101,8 +114,13 @@ def check_kernel_size(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
       TypeError: if an entry is not an int.
       ValueError: if an entry is below 1, or there are not 1, 2 or 3 entries.
     """
-    if isinstance(kernel_size, int):
+    if _is_int(kernel_size):
         kernel_size = (kernel_size,)
+    elif not isinstance(kernel_size, Sequence | np.ndarray):
+        raise TypeError(
+            f"`kernel_size` must be an int or a sequence of 1 to 3 ints, got "
+            f"{kernel_size!r} of type {type(kernel_size).__name__}."
+        )
     kernel_size = tuple(check_positive_int(k, "kernel_size") for k in kernel_size)
     if not 1 <= len(kernel_size) <= 3:
         raise ValueError(
@@ -129,7 +147,13 @@ def check_mask(mask: jax.Array | None, kernel_shape: tuple[int, ...]) -> None:
         )
 
 
-def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:
+def check_padding(
+    padding: Any,
+    rank: int,
+    *,
+    transpose: bool = False,
+    input_dilation: tuple[int, ...] | None = None,
+) -> Any:
     """Checks a convolution's ``padding`` as Flax and lax accept it; canonical form.
 
     ``'SAME'``, ``'SAME_LOWER'`` and ``'VALID'`` are read in any case, as
@@ -146,10 +170,16 @@ def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:
     >>> check_padding(1, 2)
     ((1, 1), (1, 1))
 
+    A padding string with an ``input_dilation`` above 1 is refused: lax does
+    not define it (``lax.conv_general_dilated`` raises at call time, in
+    ``nnx.Conv`` too); explicit ``(low, high)`` pairs work.
+
     Args:
       padding: the padding as given to the layer or op.
       rank: the number of spatial dimensions.
       transpose: whether the convolution is transposed.
+      input_dilation: the convolution's input dilation, one int per spatial
+        dimension (``None``: 1).
 
     Returns:
       A padding string (upper case, except a transposed convolution's lax
@@ -165,6 +195,14 @@ def check_padding(padding: Any, rank: int, *, transpose: bool = False) -> Any:
     """
     own = _FLAX_PADDINGS["transpose" if transpose else "conv"]
     names = [*_LAX_PADDINGS, *own]
+    if isinstance(padding, str) and any(d > 1 for d in input_dilation or ()):
+        raise ValueError(
+            f"`padding={padding!r}` is not defined with `input_dilation` (="
+            f"{tuple(input_dilation)}) above 1: `jax.lax.conv_general_dilated` "
+            f"(and so `nnx.Conv`) refuses string paddings there. Pass one (low, "
+            f"high) pair per spatial dimension, e.g. padding=0 for 'VALID', or "
+            f"use BatchEnsembleConvTranspose to upsample."
+        )
     if isinstance(padding, str):
         if padding.upper() in _LAX_PADDINGS:
             # lax.conv_transpose gives only upper-case 'SAME' and 'VALID' the
@@ -399,7 +437,8 @@ def batch_ensemble_conv(
             f"`feature_group_count` (={groups}) must divide out_features "
             f"(={out_features}, `kernel.shape[-1]`)."
         )
-    padding = check_padding(padding, rank)
+    input_dilation = spatial_tuple(input_dilation, "input_dilation", rank)
+    padding = check_padding(padding, rank, input_dilation=input_dilation)
     return _conv_xla(
         inputs,
         kernel,
@@ -408,7 +447,7 @@ def batch_ensemble_conv(
         bias,
         strides=spatial_tuple(strides, "strides", rank),
         padding=padding,
-        input_dilation=spatial_tuple(input_dilation, "input_dilation", rank),
+        input_dilation=input_dilation,
         kernel_dilation=spatial_tuple(kernel_dilation, "kernel_dilation", rank),
         feature_group_count=groups,
         precision=precision,

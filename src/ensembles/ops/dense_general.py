@@ -264,8 +264,14 @@ def batch_ensemble_dense_general(
     """
     num_members = check_num_members(num_members)
     impl = check_impl(impl)
-    if isinstance(num_batch_axes, bool) or not isinstance(num_batch_axes, int):
-        raise TypeError(f"`num_batch_axes` must be an int, got {num_batch_axes!r}.")
+    try:
+        if isinstance(num_batch_axes, bool):
+            raise TypeError
+        num_batch_axes = operator.index(num_batch_axes)
+    except TypeError:
+        raise TypeError(
+            f"`num_batch_axes` must be an int, got {num_batch_axes!r}."
+        ) from None
     if num_batch_axes < 0:
         raise ValueError(f"`num_batch_axes` must be >= 0, got {num_batch_axes}.")
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))

@@ -17,7 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["POSTERIORS", "fast_weight_kl", "posterior_stddev", "sample_fast_weights"]
+__all__ = [
+    "POSTERIORS",
+    "fast_weight_kl",
+    "log_posterior_stddev",
+    "posterior_stddev",
+    "sample_fast_weights",
+]
 
 #: The posterior families a layer's ``posterior`` may name.
 POSTERIORS = ("gaussian", "cauchy")
@@ -44,8 +50,9 @@ def sample_fast_weights(
     """One reparameterised draw of fast weights of ``mean``'s shape and dtype.
 
     ``mean + softplus(unconstrained_stddev) * noise``, the noise standard
-    normal (``"gaussian"``) or standard Cauchy (``"cauchy"``), drawn in the
-    dtype of ``mean``.
+    normal (``"gaussian"``) or standard Cauchy (``"cauchy"``), drawn and
+    combined in at least float32 and cast to ``mean``'s dtype, so bf16 fast
+    weights keep the tails of their distribution.
 
     >>> import jax, jax.numpy as jnp
     >>> from ensembles.ops import posterior
@@ -64,14 +71,41 @@ def sample_fast_weights(
     Returns:
       The draw, of ``mean``'s shape and dtype.
     """
+    # Drawn in at least float32, then cast: bf16 noise has 128 distinct
+    # magnitudes per octave and no Gaussian draw beyond |z| = 2.9 in practice.
+    dtype = jnp.promote_types(mean.dtype, jnp.float32)
     if posterior == "gaussian":
-        noise = jax.random.normal(key, mean.shape, mean.dtype)
+        noise = jax.random.normal(key, mean.shape, dtype)
     elif posterior == "cauchy":
-        noise = jax.random.cauchy(key, mean.shape, mean.dtype)
+        noise = jax.random.cauchy(key, mean.shape, dtype)
     else:
         raise ValueError(f"`posterior` must be one of {POSTERIORS}, got {posterior!r}.")
-    stddev = posterior_stddev(unconstrained_stddev).astype(mean.dtype)
-    return mean + stddev * noise
+    stddev = posterior_stddev(unconstrained_stddev.astype(dtype))
+    return (mean.astype(dtype) + stddev * noise).astype(mean.dtype)
+
+
+def log_posterior_stddev(unconstrained_stddev: jax.Array) -> jax.Array:
+    """``log(softplus(u))``, finite and accurate where ``softplus(u)`` underflows.
+
+    Below ``u = -20``, ``softplus(u) = t - t**2/2 + ...`` with ``t = exp(u) <
+    2.1e-9``, so ``log(softplus(u)) = u - t/2`` to within ``t**2/5``, far below
+    float64's resolution of values of that size; its gradient ``1 - t/2`` stays
+    finite where ``softplus(u)`` itself becomes 0 (``u < -104`` in float32),
+    which would make ``log`` give ``-inf`` and its gradient NaN.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.ops import posterior
+    >>> posterior.log_posterior_stddev(jnp.array([-1000.0, 0.0]))
+    Array([-1.0000000e+03, -3.6651292e-01], dtype=float32)
+    """
+    u = unconstrained_stddev
+    tail = u < -20.0
+    # Each branch sees a stand-in where it is not used, so neither its value
+    # nor its gradient is ever inf (where, not min/max: those split the
+    # gradient at a tie).
+    small = u - 0.5 * jnp.exp(jnp.where(tail, u, -20.0))
+    direct = jnp.log(jax.nn.softplus(jnp.where(tail, -20.0, u)))
+    return jnp.where(tail, small, direct)
 
 
 def fast_weight_kl(
@@ -89,7 +123,9 @@ def fast_weight_kl(
     for Gaussians ``log(p/q) + (q**2 + (m - m0)**2) / (2 p**2) - 1/2``; for
     Cauchys ``log(((q + p)**2 + (m - m0)**2) / (4 q p))`` (Chyzak & Nielsen,
     2019), where edward2 uses a one-draw Monte-Carlo estimate. Computed in at
-    least float32.
+    least float32, with ``log q`` as :func:`log_posterior_stddev`, so the KL
+    and its gradient stay finite for scales that underflow (``u <= -88`` in
+    float32, where the KL is about ``-u``).
 
     >>> import jax.numpy as jnp
     >>> from ensembles.ops import posterior
@@ -111,19 +147,25 @@ def fast_weight_kl(
     """
     dtype = jnp.promote_types(mean.dtype, jnp.float32)
     mean = mean.astype(dtype)
-    scale = posterior_stddev(unconstrained_stddev.astype(dtype))
+    unconstrained = unconstrained_stddev.astype(dtype)
+    scale = posterior_stddev(unconstrained)
+    # log(scale) in a form that stays finite where softplus underflows (a
+    # scale of 0 would make the KL inf and its gradient NaN).
+    log_scale = log_posterior_stddev(unconstrained)
     prior = jnp.asarray(prior_stddev, dtype)
     squared_offset = jnp.square(mean - prior_mean)
     if posterior == "gaussian":
         kl = (
             jnp.log(prior)
-            - jnp.log(scale)
+            - log_scale
             + (jnp.square(scale) + squared_offset) / (2 * jnp.square(prior))
             - 0.5
         )
     elif posterior == "cauchy":
-        kl = jnp.log(jnp.square(scale + prior) + squared_offset) - jnp.log(
-            4 * scale * prior
+        kl = (
+            jnp.log(jnp.square(scale + prior) + squared_offset)
+            - jnp.log(4 * prior)
+            - log_scale
         )
     else:
         raise ValueError(f"`posterior` must be one of {POSTERIORS}, got {posterior!r}.")

@@ -28,7 +28,9 @@ distribution at all); ``-inf`` for some classes is a valid mask and gives those
 classes probability 0. Per-example scores are NaN for exactly the examples with
 invalid logits (the other examples are computed as if those were absent); every
 metric that aggregates over examples is NaN if any of them is invalid.
-Out-of-range labels raise a ``ValueError`` when their values are known and make
+Labels may have any integer dtype (``uint8`` labels of 256 classes mean what
+their values mean). Out-of-range labels raise a ``ValueError`` when their values
+are known and make
 the metric NaN under :func:`jax.jit`; :func:`auroc` is NaN if any score is NaN
 or infinite. Eager or jitted, the result is the same NaN, never a finite number
 that looks like a confident answer.

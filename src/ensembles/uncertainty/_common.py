@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ensembles._checks import check_known_labels
+from ensembles._checks import check_labels
 
 # --------------------------------------------------------------------------- checks
 
@@ -54,23 +54,21 @@ def _check_logits(logits: jax.Array) -> jax.Array:
 
 def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
     """Returns ``labels`` as an int ``[B]`` array matching ``[E, B, C]`` logits."""
-    labels = jnp.asarray(labels)
     num_examples, num_classes = logits.shape[1], logits.shape[2]
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(
-            f"`labels` must be integer class indices, got dtype {labels.dtype}: "
-            "for one-hot labels pass `labels.argmax(-1)`, for integral floats "
-            "`labels.astype(jnp.int32)`."
-        )
+    # Out-of-range labels would be silently clipped or filled by the gathers
+    # below; check_labels raises for them whenever their values are known.
+    labels = check_labels(
+        labels,
+        num_classes,
+        hint=": for one-hot labels pass `labels.argmax(-1)`, for integral floats "
+        "`labels.astype(jnp.int32)`",
+    )
     if tuple(labels.shape) != (num_examples,):
         raise ValueError(
             f"`labels` must have shape [B] = ({num_examples},) to match `logits` "
             f"of shape {tuple(logits.shape)} ([E, B, C]), got shape "
             f"{tuple(labels.shape)}."
         )
-    # Out-of-range labels would be silently clipped or filled by the gathers
-    # below; check them whenever their values are known (not under jit).
-    check_known_labels(labels, num_classes)
     return labels
 
 

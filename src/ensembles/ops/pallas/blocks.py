@@ -15,6 +15,7 @@ not tile its array.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
@@ -84,11 +85,17 @@ class BlockSizes:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                value = operator.index(value)
+            except TypeError:
                 raise TypeError(
                     f"`BlockSizes.{field.name}` must be an int, got {value!r} of "
                     f"type {type(value).__name__}."
-                )
+                ) from None
+            # A frozen dataclass: store the plain int (numpy ints hash apart).
+            object.__setattr__(self, field.name, value)
             if value < MIN_BLOCK or not _is_power_of_two(value):
                 raise ValueError(
                     f"`BlockSizes.{field.name}` must be a power of two >= "

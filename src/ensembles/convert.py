@@ -14,9 +14,11 @@ path only, so the ``only`` filter is asked about every path separately
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import jax
 from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx import graph as nnx_graph
@@ -43,6 +45,8 @@ from ensembles.layers.posterior import (
     check_prior_stddev,
     default_stddev_init,
 )
+from ensembles.layers.stacking import layer_axes, map_layers
+from ensembles.summary import is_norm_like
 
 __all__ = ["CONVERTERS", "NORM_CONVERTERS", "extract_member", "to_batch_ensemble"]
 
@@ -174,6 +178,7 @@ def to_batch_ensemble(
 
     layers, norm_layers, skipped_norms, existing = [], [], [], {}
     posteriors: dict[str, str | None] = {}
+    custom_norms: list[str] = []
     priors: dict[str, float] = {}
     for path, node in nnx.iter_graph(model):
         where = "/".join(map(str, path))
@@ -186,6 +191,8 @@ def to_batch_ensemble(
                 selected_paths.update(paths.get(id(node), [path]))
             else:
                 skipped_norms.append(where)
+        elif norms == "member" and is_norm_like(node) and _holds_params(node):
+            custom_norms.append(f"{where} ({type(node).__name__})")
         elif isinstance(node, EnsembleModule):
             existing[where] = node.num_members
             if isinstance(node, BatchEnsembleModule) and node.posterior is not None:
@@ -232,34 +239,79 @@ def to_batch_ensemble(
             f"{only!r}."
         )
 
+    if custom_norms:
+        warnings.warn(
+            f'`norms="member"` converts Flax\'s norms ({_names(NORM_CONVERTERS)}) '
+            f"and left these norm-like modules shared by every member: "
+            f"{custom_norms}. Build them as Flax norms, or replace them by "
+            f"ensembles.EnsembleLayerNorm / EnsembleRMSNorm yourself, to give "
+            f"each member its own.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def convert_layer(layer, rngs):
+        return CONVERTERS[type(layer)](
+            layer,
+            num_members=num_members,
+            rngs=rngs,
+            r_init=r_init,
+            s_init=s_init,
+            # `layer` belongs to the private copy (or, with share_weights, is
+            # meant to be shared): holding its kernel is what we want.
+            share_kernel=True,
+            posterior=posterior,
+            prior_stddev=prior_stddev,
+            stddev_init=stddev_init,
+        )
+
+    def convert_norm(norm):
+        return norm_types[type(norm)](norm, num_members=num_members)
+
     def convert(path, node):
         kind = type(node)
         # recursive_map visits a shared node once, under one of its paths (on
         # its own copy of the graph, so match by path rather than identity).
         chosen = tuple(path) in selected_paths
-        if kind in CONVERTERS and chosen:
-            return CONVERTERS[kind](
-                node,
-                num_members=num_members,
-                rngs=draw,
-                r_init=r_init,
-                s_init=s_init,
-                # `node` belongs to the private copy (or, with share_weights,
-                # is meant to be shared): holding its kernel is what we want.
-                share_kernel=True,
-                posterior=posterior,
-                prior_stddev=prior_stddev,
-                stddev_init=stddev_init,
-            )
-        if kind in norm_types and chosen:
-            return norm_types[kind](node, num_members=num_members)
-        return node
+        if not chosen or (kind not in CONVERTERS and kind not in norm_types):
+            return node
+        try:
+            # A layer stacked for nnx.scan converts one layer at a time.
+            if kind in CONVERTERS:
+                converted = map_layers(convert_layer, node, rngs=draw)
+                if layer_axes(node):
+                    converted.kernel = node.kernel  # the very Variable, stacked
+                return converted
+            return map_layers(convert_norm, node)
+        except (ValueError, TypeError) as error:
+            where = "/".join(map(str, path)) or "the model itself"
+            raise type(error)(
+                f"to_batch_ensemble could not convert `{where}` ({kind.__name__}"
+                f", parameters {_shapes(node)}): {error}"
+            ) from error
 
     source = model if share_weights else nnx.clone(model)
     # Fast weights draw from a copy of `rngs`, handed back only on success: an
     # initializer that fails halfway leaves the caller's streams where they were.
     with drawing_from(rngs) as draw:
         return nnx.recursive_map(convert, source, graph=True)
+
+
+def _names(types: Any) -> str:
+    return ", ".join(f"nnx.{t.__name__}" for t in types)
+
+
+def _holds_params(node: Any) -> bool:
+    return bool(jax.tree.leaves(nnx.state(node, nnx.Param)))
+
+
+def _shapes(node: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of the Variables ``node`` holds, for an error message."""
+    return {
+        "/".join(map(str, path)): tuple(variable.shape)
+        for path, variable in nnx.to_flat_state(nnx.state(node))
+        if hasattr(variable, "shape")
+    }
 
 
 def _paths_to_nodes(model: Any) -> dict[int, list[tuple[Any, ...]]]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ensembles._checks import check_num_members
@@ -19,11 +22,20 @@ M = TypeVar("M")
 class Ensemble(nnx.Module):
     """Wraps a BatchEnsemble model: ``[B, ...]`` in, ``[E, B, ...]`` out.
 
-    ``__call__`` tiles its first argument for every member, runs the model on
-    the member-major ``[E*B, ...]`` batch and splits every output leaf into
-    ``[E, B, ...]``. Other arguments are passed through unchanged. In a member
-    view (``nnx.view(ensemble, member=k)``) the model runs member ``k`` alone
-    and the output is that member's ``[B, ...]``, as the plain model's would be.
+    ``__call__`` tiles its batch for every member, runs the model on the
+    member-major ``[E*B, ...]`` batch and splits every output leaf whose
+    leading axis is ``E*B`` into ``[E, B, ...]`` (other leaves, a scalar
+    auxiliary loss say, are returned as they are). The batch is the first
+    argument and every other array argument (or array leaf of a pytree
+    argument, positional or keyword) whose leading axis has the first
+    argument's size ``B``: a language model's positions ``[B, T]`` and
+    attention mask ``[B, 1, T, T]`` are tiled with its tokens. Arguments named
+    in ``untiled`` reach the model as they are, as do non-array arguments and
+    arrays of another leading size; name an argument there when its leading
+    axis only happens to equal ``B`` (a ``[T]`` table when ``T == B``). In a
+    member view (``nnx.view(ensemble, member=k)``) nothing is tiled: the model
+    runs member ``k`` alone and the output is that member's ``[B, ...]``, as
+    the plain model's would be.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -41,15 +53,23 @@ class Ensemble(nnx.Module):
       model: a model whose BatchEnsemble layers all have ``num_members``
         members.
       num_members: the ensemble size E.
+      untiled: arguments of ``__call__`` passed to the model unchanged even
+        when their leading axis is ``B``: keyword names (``"cache"``) or
+        positions (``2``: the second argument after the batch).
 
     Raises:
       ValueError: if a BatchEnsemble layer in ``model`` has another size, or
         ``model`` holds none (its E "members" would be E identical copies,
-        whose agreement would look like certainty).
+        whose agreement would look like certainty), or ``untiled`` names
+        position 0 (the batch is always tiled).
+      TypeError: if an entry of ``untiled`` is neither a str nor an int.
     """
 
-    def __init__(self, model: Any, *, num_members: int):
+    def __init__(
+        self, model: Any, *, num_members: int, untiled: Sequence[int | str] = ()
+    ):
         num_members = check_num_members(num_members)
+        untiled = _check_untiled(untiled)
         found = False
         for path, node in nnx.iter_graph(model):
             if not isinstance(node, EnsembleModule):
@@ -72,24 +92,52 @@ class Ensemble(nnx.Module):
             )
         self.model = model
         self.num_members = num_members
+        self.untiled = untiled
         self.member: int | None = None
 
-    def __call__(self, inputs: jax.Array, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs every member on ``inputs`` and returns ``[E, B, ...]`` outputs.
 
         Args:
-          inputs: an un-tiled ``[B, ...]`` batch.
-          *args: passed to the model unchanged.
-          **kwargs: passed to the model unchanged.
+          inputs: an un-tiled ``[B, ...]`` batch (or a pytree of them).
+          *args: passed to the model; array leaves with leading axis ``B``
+            are tiled unless their position is in ``untiled``.
+          **kwargs: passed to the model; array leaves with leading axis ``B``
+            are tiled unless their name is in ``untiled``.
 
         Returns:
-          The model's outputs with every leaf split to ``[E, B, ...]`` (in a
-          member view: the member's ``[B, ...]`` outputs).
+          The model's outputs, every leaf with leading axis ``E*B`` split to
+          ``[E, B, ...]`` (in a member view: the member's own outputs).
         """
         if self.member is not None:
             return self.model(inputs, *args, **kwargs)
-        outputs = self.model(tile(inputs, self.num_members), *args, **kwargs)
-        return jax.tree.map(lambda y: untile(y, self.num_members), outputs)
+        num_members = self.num_members
+        leaves = jax.tree.leaves(inputs)
+        if not leaves or jnp.ndim(leaves[0]) < 1:
+            raise ValueError(
+                f"`inputs` must be a [B, ...] batch (or a pytree of them), got "
+                f"{inputs!r}."
+            )
+        batch = jnp.shape(leaves[0])[0]
+
+        def tile_batch(tree):
+            return jax.tree.map(
+                lambda x: tile(x, num_members) if _leading(x) == batch else x, tree
+            )
+
+        args = tuple(
+            a if i in self.untiled else tile_batch(a) for i, a in enumerate(args, 1)
+        )
+        kwargs = {
+            k: v if k in self.untiled else tile_batch(v) for k, v in kwargs.items()
+        }
+        outputs = self.model(
+            jax.tree.map(lambda x: tile(x, num_members), inputs), *args, **kwargs
+        )
+        rows = num_members * batch
+        return jax.tree.map(
+            lambda y: untile(y, num_members) if _leading(y) == rows else y, outputs
+        )
 
     def set_view(self, member: int | None = None):
         """Class method used by ``nnx.view``.
@@ -115,6 +163,33 @@ class Ensemble(nnx.Module):
           ``ensembles.extract_member(self.model, member)``.
         """
         return extract_member(self.model, member)
+
+
+def _leading(x: Any) -> int | None:
+    """The leading axis of an array leaf, or ``None`` (scalars, non-arrays)."""
+    if isinstance(x, jax.Array | np.ndarray) and x.ndim >= 1:
+        return x.shape[0]
+    return None
+
+
+def _check_untiled(untiled: Any) -> tuple[int | str, ...]:
+    """Checks :class:`Ensemble`'s ``untiled``: argument names and positions."""
+    if isinstance(untiled, str | int):
+        untiled = (untiled,)
+    out = []
+    for entry in untiled:
+        if isinstance(entry, bool) or not isinstance(entry, int | str):
+            raise TypeError(
+                f"`untiled` must hold argument names (str) or positions (int), "
+                f"got {entry!r} of type {type(entry).__name__}."
+            )
+        if isinstance(entry, int) and entry < 1:
+            raise ValueError(
+                f"`untiled` must hold positions >= 1 (1: the first argument "
+                f"after the batch, which is always tiled), got {entry}."
+            )
+        out.append(entry)
+    return tuple(out)
 
 
 def extract_member(model: M, member: int) -> M:

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx import graph as nnx_graph
 
 from ensembles.ensemble import extract_member
 from ensembles.layers.base import EnsembleModule
@@ -29,6 +30,83 @@ _SHARED_NORMS = (
 
 def _count(state: Any) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(state)))
+
+
+def is_norm_like(node: Any) -> bool:
+    """A Flax norm, or a module of the user's whose class name says it is one.
+
+    Custom norms (Gemma's and Mamba2's own ``RMSNorm`` classes, say) are not
+    converted by ``norms="member"``; this is how they are found to be named.
+    """
+    return isinstance(node, _SHARED_NORMS) or (
+        isinstance(node, nnx.Module)
+        and not isinstance(node, EnsembleModule)
+        and "norm" in type(node).__name__.lower()
+    )
+
+
+def is_embedding(node: Any) -> bool:
+    """``nnx.Embed``, or a module holding a Variable named ``embedding``."""
+    return isinstance(node, nnx.Embed) or isinstance(
+        getattr(node, "embedding", None), nnx.Variable
+    )
+
+
+def shared_rows(model: Any) -> tuple[tuple[str, str, int, str], ...]:
+    """``(path, type, parameters, kind)`` of every parameter that stayed shared.
+
+    Every module outside the ensemble layers that holds ``nnx.Param`` entries
+    of its own (not through a submodule) gets a row: Flax layers
+    (``nnx.Embed``, norms, a layer ``only`` left out), the user's norms and
+    embeddings (by :func:`is_norm_like` / :func:`is_embedding`), each counted
+    as a module; any other module's own parameters (a ViT's ``cls_token``, a
+    layer-scale ``gamma``) get one row per Variable, typed by its class.
+    ``kind`` is ``"norm"``, ``"embedding"``, ``"layer"`` or ``"parameter"``.
+    """
+    ensemble_paths = [
+        tuple(path)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, EnsembleModule)
+    ]
+    rows = []
+    for path, node in nnx.iter_graph(model):
+        path = tuple(path)
+        if isinstance(node, nnx.Variable) or any(
+            path[: len(p)] == p for p in ensemble_paths
+        ):
+            continue
+        node_impl = nnx_graph.get_node_impl(node)
+        if node_impl is None:
+            continue
+        own = [
+            (name, value)
+            for name, value in node_impl.node_dict(node).items()
+            if isinstance(value, nnx.Param)
+        ]
+        if not own:
+            continue
+        where = "/".join(map(str, path))
+        flax_layer = type(node).__module__.startswith("flax.")
+        if is_norm_like(node):
+            kind = "norm"
+        elif is_embedding(node):
+            kind = "embedding"
+        elif flax_layer:
+            kind = "layer"
+        else:
+            for name, value in own:
+                rows.append(
+                    (
+                        "/".join(filter(None, (where, str(name)))),
+                        type(value).__name__,
+                        int(np.prod(value.shape)),
+                        "parameter",
+                    )
+                )
+            continue
+        count = sum(int(np.prod(v.shape)) for _, v in own)
+        rows.append((where, type(node).__name__, count, kind))
+    return tuple(rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +131,18 @@ class EnsembleSummary:
         weights add nothing) plus one member's biases and per-member norm
         parameters.
       deep_ensemble_params: E independent copies: ``E * single_params``.
-      shared_norms: one ``(path, type name, parameters)`` row per Flax norm
-        left in the model (``nnx.LayerNorm``, ``nnx.RMSNorm``,
-        ``nnx.BatchNorm``, ``nnx.GroupNorm`` or ``nnx.InstanceNorm``, e.g.
-        kept by ``to_batch_ensemble(..., norms="shared")``), whose parameters
-        and statistics every member shares; ``str()`` lists them after the
-        BatchEnsemble layers, with no fast or per-member parameters.
+      shared_norms: one ``(path, type name, parameters)`` row per norm left
+        in the model (a Flax norm, e.g. kept by ``to_batch_ensemble(...,
+        norms="shared")``, or a norm class of the user's, which
+        ``norms="member"`` does not convert), whose parameters and statistics
+        every member shares.
+      shared: one ``(path, type name, parameters)`` row for everything else
+        outside the BatchEnsemble layers that holds parameters, every member
+        using the same copy: embeddings, unconverted layers, and a module's
+        own parameters (one row per Variable, e.g. ``vit/cls_token``).
+        ``str()`` lists the norms and these after the BatchEnsemble layers,
+        and names the embeddings: one tied to the output layer (``attend``)
+        makes the output layer shared too.
     """
 
     num_members: int
@@ -70,15 +154,17 @@ class EnsembleSummary:
     single_params: int
     deep_ensemble_params: int
     shared_norms: tuple[tuple[str, str, int], ...] = ()
+    shared: tuple[tuple[str, str, int], ...] = ()
+    embeddings: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         head = ("layer", "type", "shared", "fast", "per-member")
-        norms = tuple((p, t, s, 0, 0) for p, t, s in self.shared_norms)
+        rest = tuple((p, t, s, 0, 0) for p, t, s in self.shared_norms + self.shared)
         rows = [
             head,
             *(
                 (p, t, f"{s:,}", f"{f:,}", f"{m:,}")
-                for p, t, s, f, m in self.layers + norms
+                for p, t, s, f, m in self.layers + rest
             ),
         ]
         widths = [max(len(str(row[i])) for row in rows) for i in range(5)]
@@ -99,6 +185,12 @@ class EnsembleSummary:
             f"deep ensemble of {self.num_members}: {self.deep_ensemble_params:,} "
             f"(this model holds {ratio:.1%} of that)",
         ]
+        if self.embeddings:
+            lines.append(
+                f"shared embeddings: {', '.join(self.embeddings)} (one tied to the "
+                f"output layer, e.g. through `attend`, makes the output layer "
+                f"shared by every member too)"
+            )
         return "\n".join(lines)
 
 
@@ -146,15 +238,10 @@ def summary(model: Any) -> EnsembleSummary:
       ValueError: if ``model`` holds no BatchEnsemble layer, or layers with
         different numbers of members.
     """
-    layers, norms = [], []
+    layers = []
     sizes = set()
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, _SHARED_NORMS):
-            where = "/".join(map(str, path))
-            norms.append(
-                (where, type(node).__name__, _count(nnx.state(node, nnx.Param)))
-            )
-        elif isinstance(node, EnsembleModule):
+        if isinstance(node, EnsembleModule):
             sizes.add(node.num_members)
             # A layer's kernel is shared by its members, r and s are fast, and
             # everything else (biases, norm scales) has one copy per member.
@@ -171,6 +258,10 @@ def summary(model: Any) -> EnsembleSummary:
             layers.append(
                 ("/".join(map(str, path)), type(node).__name__, shared, fast, member)
             )
+    rows = shared_rows(model)
+    norms = [row[:3] for row in rows if row[3] == "norm"]
+    others = [row[:3] for row in rows if row[3] != "norm"]
+    embeddings = [row[0] for row in rows if row[3] == "embedding"]
     if not layers:
         raise ValueError(
             f"`model` ({type(model).__name__}) holds no BatchEnsemble layer; "
@@ -195,4 +286,6 @@ def summary(model: Any) -> EnsembleSummary:
         single_params=single,
         deep_ensemble_params=num_members * single,
         shared_norms=tuple(norms),
+        shared=tuple(others),
+        embeddings=tuple(embeddings),
     )

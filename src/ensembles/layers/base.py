@@ -23,6 +23,7 @@ from flax import nnx
 
 from ensembles._checks import check_choice
 from ensembles.layers.posterior import check_deterministic
+from ensembles.layers.stacking import layer_axes, reference_parameter
 from ensembles.ops.plan import IMPLS
 from ensembles.ops.posterior import sample_fast_weights
 
@@ -71,12 +72,23 @@ def check_flax_layer(
 
     Raises:
       TypeError: if ``layer`` is not a ``flax_module``.
-      ValueError: if ``layer`` holds a custom function of ``functions``.
+      ValueError: if ``layer`` holds a custom function of ``functions``, or
+        is a stack of layers (:mod:`ensembles.layers.stacking`).
     """
     if not isinstance(layer, flax_module):
         raise TypeError(
             f"`{arg}` must be an `nnx.{flax_module.__name__}`, got "
             f"{type(layer).__name__}."
+        )
+    if layer_axes(layer):
+        variable, ndim = reference_parameter(layer)
+        raise ValueError(
+            f"`{arg}` is a stack of layers: its parameters have "
+            f"{layer_axes(layer)} leading layer axes (shape "
+            f"{tuple(variable.shape)} where one layer's has {ndim} axes), as "
+            f"`nnx.vmap` builds them for `nnx.scan`; {cls_name} converts one "
+            f"layer. Convert the model with `ensembles.to_batch_ensemble`, which "
+            f"converts a stack layer by layer, or call this inside `nnx.vmap`."
         )
     for name, (default, shown) in functions.items():
         custom = getattr(layer, name, None)

@@ -37,6 +37,7 @@ from ensembles.layers.normalization import (
     norm_param,
 )
 from ensembles.layers.parameters import drawing_from, member_copies, member_slice
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.normalization import ensemble_batch_norm, ensemble_batch_statistics
 
 __all__ = ["EnsembleBatchNorm"]
@@ -232,6 +233,7 @@ class EnsembleBatchNorm(EnsembleModule):
         ensemble.var.set_value(jnp.broadcast_to(norm.var[...], shape))
         return ensemble
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.BatchNorm:
         """Returns member ``member`` as a plain ``nnx.BatchNorm``.
 

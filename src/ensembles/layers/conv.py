@@ -41,6 +41,7 @@ from ensembles.layers.posterior import (
     posterior_stream,
 )
 from ensembles.layers.sharding import shard_output
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops import conv, plan
 from ensembles.variables import FastWeight
 
@@ -378,6 +379,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
             new.kernel = layer.kernel
         return new
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.Conv:
         """Returns member ``member`` as a plain ``nnx.Conv``.
 

@@ -39,6 +39,7 @@ from ensembles.layers.posterior import (
     new_unconstrained_stddev,
     posterior_stream,
 )
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops import conv, conv_transpose, plan
 from ensembles.variables import FastWeight
 
@@ -344,6 +345,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             new.kernel = layer.kernel
         return new
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.ConvTranspose:
         """Returns member ``member`` as a plain ``nnx.ConvTranspose``.
 

@@ -40,6 +40,7 @@ from ensembles.layers.posterior import (
     posterior_stream,
 )
 from ensembles.layers.sharding import shard_output
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops import einsum, plan
 from ensembles.variables import FastWeight
 
@@ -335,6 +336,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             new.kernel = layer.kernel
         return new
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.Einsum:
         """Returns member ``member`` as a plain ``nnx.Einsum``.
 

@@ -41,6 +41,7 @@ from ensembles.layers.posterior import (
     posterior_stream,
 )
 from ensembles.layers.sharding import shard_output
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops import dense, plan
 from ensembles.variables import FastWeight
 
@@ -313,6 +314,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             layer.kernel = linear.kernel
         return layer
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.Linear:
         """Returns member ``member`` as a plain ``nnx.Linear``.
 

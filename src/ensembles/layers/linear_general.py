@@ -44,6 +44,7 @@ from ensembles.layers.posterior import (
     posterior_stream,
 )
 from ensembles.layers.sharding import shard_output
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops import dense_general, plan
 from ensembles.variables import FastWeight
 
@@ -403,6 +404,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             new.kernel = layer.kernel
         return new
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.LinearGeneral:
         """Returns member ``member`` as a plain ``nnx.LinearGeneral``.
 

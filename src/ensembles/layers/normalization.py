@@ -33,6 +33,7 @@ from ensembles.layers.parameters import (
     member_slice,
     new_param,
 )
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.normalization import ensemble_layer_norm, ensemble_rms_norm
 
 __all__ = ["EnsembleLayerNorm", "EnsembleRMSNorm"]
@@ -256,6 +257,7 @@ class EnsembleLayerNorm(EnsembleModule):
             scale_metadata=scale_metadata,
         )
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.LayerNorm:
         """Returns member ``member`` as a plain ``nnx.LayerNorm``.
 
@@ -444,6 +446,7 @@ class EnsembleRMSNorm(EnsembleModule):
             scale_metadata=scale_metadata,
         )
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.RMSNorm:
         """Returns member ``member`` as a plain ``nnx.RMSNorm``.
 

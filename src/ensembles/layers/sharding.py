@@ -23,7 +23,7 @@ __all__ = ["member_axis_metadata", "shard_output", "without_member_axis_metadata
 
 #: Metadata keys that hold one sharding name per array axis: Flax 0.12's
 #: ``out_sharding`` and the deprecated names it still accepts (and renames).
-_SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
 def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     {'out_sharding': (None, 'model'), 'note': 1}
     """
     out = dict(metadata)
-    for key in _SHARDING_KEYS:
+    for key in SHARDING_KEYS:
         if out.get(key) is not None:
             out[key] = (None, *out[key])
     return out
@@ -45,7 +45,7 @@ def member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
 def without_member_axis_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """Inverse of :func:`member_axis_metadata`: metadata for one member's slice."""
     out = dict(metadata)
-    for key in _SHARDING_KEYS:
+    for key in SHARDING_KEYS:
         if out.get(key) is not None:
             out[key] = tuple(out[key])[1:]
     return out

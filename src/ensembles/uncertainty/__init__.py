@@ -15,12 +15,21 @@ Its uncertainty splits into two parts::
 classes overlap); ``mutual_information`` is how much the members disagree, the
 part more data or more training would remove. It is non-negative (entropy is
 concave) and is the usual score for out-of-distribution detection, ranked by
-:func:`auroc`.
+:func:`auroc`, :func:`aupr` (average precision) and :func:`fpr_at_tpr` (the
+false-positive rate at, say, 95% true positives).
+
+Against labels, :func:`nll`, :func:`accuracy` and :func:`brier` score the
+predictive; :func:`ece`, :func:`adaptive_ece` (equal-mass bins) and :func:`mce`
+(the worst bin) its calibration; :func:`aurc` and :func:`augrc` its selective
+prediction, the risk of answering only the most confident examples. Where
+confidences tie, the sort-based metrics average over the orders of the tie, so
+no result depends on the order of the batch.
 
 Everything is computed in log space (``log_softmax``, ``logsumexp`` over members
 minus ``log E``) in at least float32, so bf16 logits and logits of +-1e4 give
 finite, accurate results, and ``0 * log 0`` counts as 0. All functions can be
-wrapped in :func:`jax.jit`; ``num_bins`` of :func:`ece` is then static.
+wrapped in :func:`jax.jit`; ``num_bins`` of :func:`ece`, :func:`adaptive_ece` and
+:func:`mce` and ``tpr`` of :func:`fpr_at_tpr` are then static.
 
 Bad input never gives a finite answer. An example's logits are *invalid* when
 some member's row holds a NaN or a ``+inf``, or is ``-inf`` for every class (no
@@ -30,10 +39,10 @@ invalid logits (the other examples are computed as if those were absent); every
 metric that aggregates over examples is NaN if any of them is invalid.
 Labels may have any integer dtype (``uint8`` labels of 256 classes mean what
 their values mean). Out-of-range labels raise a ``ValueError`` when their values
-are known and make
-the metric NaN under :func:`jax.jit`; :func:`auroc` is NaN if any score is NaN
-or infinite. Eager or jitted, the result is the same NaN, never a finite number
-that looks like a confident answer.
+are known and make the metric NaN under :func:`jax.jit`; :func:`auroc`,
+:func:`aupr` and :func:`fpr_at_tpr` are NaN if any score is NaN or infinite.
+Eager or jitted, the result is the same NaN, never a finite number that looks
+like a confident answer.
 
 >>> import jax.numpy as jnp
 >>> from ensembles import uncertainty
@@ -48,7 +57,16 @@ Array([0.  , 0.69], dtype=float32)
 
 from __future__ import annotations
 
-from ensembles.uncertainty.metrics import accuracy, auroc, brier, ece, nll
+from ensembles.uncertainty.metrics import (
+    accuracy,
+    adaptive_ece,
+    auroc,
+    brier,
+    ece,
+    mce,
+    nll,
+)
+from ensembles.uncertainty.ood import aupr, fpr_at_tpr
 from ensembles.uncertainty.scores import (
     disagreement,
     expected_entropy,
@@ -57,14 +75,21 @@ from ensembles.uncertainty.scores import (
     total_entropy,
     variance,
 )
+from ensembles.uncertainty.selective import augrc, aurc
 
 __all__ = [
     "accuracy",
+    "adaptive_ece",
+    "augrc",
+    "aupr",
+    "aurc",
     "auroc",
     "brier",
     "disagreement",
     "ece",
     "expected_entropy",
+    "fpr_at_tpr",
+    "mce",
     "mutual_information",
     "nll",
     "predictive_probs",

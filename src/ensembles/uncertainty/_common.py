@@ -1,8 +1,9 @@
 """Private helpers shared by :mod:`ensembles.uncertainty`'s scores and metrics.
 
-Input checks (logits, labels, scores), the log-space probability helpers, and the
+Input checks (logits, labels, scores), the log-space probability helpers, the
 marking of invalid examples (:func:`_split_invalid`) whose results are poisoned
-with NaN (:func:`_poison`, :func:`_poison_all`).
+with NaN (:func:`_poison`, :func:`_poison_all`), and the tie-averaged running
+count (:func:`_tie_averaged_cumsum`) of the sort-based metrics.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _check_scores(scores: jax.Array, name: str) -> jax.Array:
         )
     if scores.shape[0] == 0:
         raise ValueError(
-            f"`{name}` must hold at least one score, got an empty array: AUROC "
+            f"`{name}` must hold at least one score, got an empty array: ranking "
             "needs both in-distribution and out-of-distribution examples."
         )
     return scores
@@ -189,3 +190,37 @@ def _entropy(log_probs: jax.Array) -> jax.Array:
 
 def _predictive_probs_unchecked(logits: jax.Array) -> jax.Array:
     return jnp.mean(_member_probs(logits), axis=0)
+
+
+def _confidence_and_correct(
+    logits: jax.Array, labels: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns ``[B]`` confidences, ``[B]`` int32 correctness, ``[B]`` invalid.
+
+    The confidence is the predictive's largest probability, correct where its
+    argmax is the label; the mask is :func:`_split_invalid_labeled`'s.
+    """
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    probs = _predictive_probs_unchecked(logits)
+    correct = (jnp.argmax(probs, axis=-1) == labels).astype(jnp.int32)
+    return jnp.max(probs, axis=-1), correct, invalid
+
+
+def _tie_averaged_cumsum(
+    sorted_keys: jax.Array, counts: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    """Running sum of ``counts`` along ascending ``sorted_keys``, ties averaged.
+
+    Entry ``i`` is the mean, over every order of the examples whose keys tie,
+    of ``sum(counts[:i + 1])``: the exact integer sum up to the start of
+    ``i``'s tie group plus a linear share of the group's total. It depends on
+    the keys and on each group's total only, never on the order within a tie.
+    """
+    num = sorted_keys.shape[0]
+    start = jnp.searchsorted(sorted_keys, sorted_keys, side="left")
+    end = jnp.searchsorted(sorted_keys, sorted_keys, side="right")
+    through = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
+    before, group_total = through[start], through[end] - through[start]
+    taken = jnp.arange(1, num + 1) - start  # of the group, up to and with i
+    share = taken.astype(dtype) * group_total.astype(dtype) / (end - start)
+    return before.astype(dtype) + share

@@ -1,6 +1,7 @@
 """Aggregate metrics of an ensemble against labels, and the AUROC of scores.
 
-:func:`nll`, :func:`accuracy`, :func:`brier` and :func:`ece` take member logits
+:func:`nll`, :func:`accuracy`, :func:`brier` and the calibration errors
+:func:`ece`, :func:`adaptive_ece` and :func:`mce` take member logits
 ``[E, B, C]`` and integer labels ``[B]`` and return a scalar for the ensemble
 predictive; :func:`auroc` ranks per-example scores for out-of-distribution
 detection. See :mod:`ensembles.uncertainty`.
@@ -12,20 +13,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ensembles._checks import check_positive_int
 from ensembles.uncertainty._common import (
     _check_labels,
     _check_logits,
     _check_scores,
+    _confidence_and_correct,
     _member_log_probs,
     _poison_all,
     _predictive_log_probs,
     _predictive_probs_unchecked,
     _split_invalid_labeled,
+    _tie_averaged_cumsum,
 )
 
-__all__ = ["accuracy", "auroc", "brier", "ece", "nll"]
+__all__ = ["accuracy", "adaptive_ece", "auroc", "brier", "ece", "mce", "nll"]
 
 
 @jax.jit
@@ -143,20 +147,30 @@ def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return _brier(logits, _check_labels(labels, logits))
 
 
-@functools.partial(jax.jit, static_argnames=("num_bins",))
-def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
-    logits, labels, invalid = _split_invalid_labeled(logits, labels)
-    probs = _predictive_probs_unchecked(logits)
-    confidence = jnp.max(probs, axis=-1)
-    correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
+def _equal_width_gaps(
+    logits: jax.Array, labels: jax.Array, num_bins: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns per-bin ``sum(correct - confidence)``, per-bin counts, invalid.
+
+    Bin ``i`` of ``M`` holds the confidences in ``(i/M, (i+1)/M]``; the last
+    value is the ``[B]`` invalid mask.
+    """
+    confidence, correct, invalid = _confidence_and_correct(logits, labels)
     # Bin i holds confidences in (edges[i], edges[i+1]]; a side="left" search
     # puts a confidence equal to an edge into the bin below it.
-    edges = jnp.linspace(0.0, 1.0, num_bins + 1, dtype=probs.dtype)
+    edges = jnp.linspace(0.0, 1.0, num_bins + 1, dtype=confidence.dtype)
     bins = jnp.clip(
         jnp.searchsorted(edges, confidence, side="left") - 1, 0, num_bins - 1
     )
+    gaps = jnp.zeros(num_bins, confidence.dtype).at[bins].add(correct - confidence)
+    counts = jnp.zeros(num_bins, jnp.int32).at[bins].add(1)
+    return gaps, counts, invalid
+
+
+@functools.partial(jax.jit, static_argnames=("num_bins",))
+def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
+    gaps, _, invalid = _equal_width_gaps(logits, labels, num_bins)
     # sum_bins n_i/B * |acc_i - conf_i| = sum_bins |sum_i (correct - conf)| / B.
-    gaps = jnp.zeros(num_bins, probs.dtype).at[bins].add(correct - confidence)
     return _poison_all(jnp.sum(jnp.abs(gaps)) / labels.shape[0], invalid)
 
 
@@ -195,6 +209,119 @@ def ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
     num_bins = check_positive_int(num_bins, "num_bins")
     logits = _check_logits(logits)
     return _ece(logits, _check_labels(labels, logits), num_bins=num_bins)
+
+
+def _equal_mass_bins(num_examples: int, num_bins: int) -> np.ndarray:
+    """``[B]`` bin of each position, as :func:`numpy.array_split` splits B items."""
+    size, extra = divmod(num_examples, num_bins)
+    sizes = [size + 1] * extra + [size] * (num_bins - extra)
+    return np.repeat(np.arange(num_bins, dtype=np.int32), sizes)
+
+
+@functools.partial(jax.jit, static_argnames=("num_bins",))
+def _adaptive_ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
+    confidence, correct, invalid = _confidence_and_correct(logits, labels)
+    dtype, num_examples = confidence.dtype, confidence.shape[0]
+    confidence, correct = jax.lax.sort((confidence, correct), num_keys=1)
+    # Tied examples share their correctness: the running count of correct
+    # examples is averaged over the orders of each tie, so a tie that straddles
+    # a bin edge splits its accuracy over both bins in proportion.
+    running = _tie_averaged_cumsum(confidence, correct, dtype)
+    through = jnp.concatenate([jnp.zeros(1, dtype), running])
+    bins = _equal_mass_bins(num_examples, num_bins)
+    ends = np.searchsorted(bins, np.arange(num_bins), side="right")
+    starts = np.concatenate([[0], ends[:-1]])
+    correct_per_bin = through[ends] - through[starts]  # 0 for an empty bin
+    confidence_per_bin = jnp.zeros(num_bins, dtype).at[bins].add(confidence)
+    gaps = jnp.abs(correct_per_bin - confidence_per_bin)
+    return _poison_all(jnp.sum(gaps) / num_examples, invalid)
+
+
+def adaptive_ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
+    """Adaptive (equal-mass) expected calibration error of the ensemble predictive.
+
+    Examples are sorted by confidence (the predictive's largest probability),
+    ascending, and split into ``num_bins`` bins of equal count as
+    :func:`numpy.array_split` splits them (the first ``B % M`` bins one larger;
+    with ``M > B`` the last bins are empty and count for nothing). The ECE is
+    ``sum_bins n_i/B * |accuracy_i - mean confidence_i|`` (Nixon et al., 2019).
+
+    Ties: examples of equal confidence share their correctness, so the result
+    does not depend on their order. Where a tie straddles a bin edge, each of
+    its examples counts as the tie's mean accuracy (the expected bin accuracy
+    over every order of the tie).
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4]]]))
+    >>> # Bins {.6, .8} (one of two right) and {.9} (right): (2 * .2 + .1) / 3.
+    >>> ece = uncertainty.adaptive_ece(logits, jnp.array([0, 1, 0]), num_bins=2)
+    >>> round(float(ece), 4)
+    0.1667
+
+    Args:
+      logits: member logits of shape ``[E, B, C]``.
+      labels: integer class indices of shape ``[B]``, in ``[0, C)``.
+      num_bins: the number of bins M, an int >= 1 (static under
+        :func:`jax.jit`).
+
+    Returns:
+      The adaptive ECE in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
+
+    Raises:
+      ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, if
+        ``num_bins < 1``, or (when not traced) a label lies outside ``[0, C)``.
+      TypeError: if ``logits`` is not floating-point, ``labels`` not integer or
+        ``num_bins`` not an int.
+    """
+    num_bins = check_positive_int(num_bins, "num_bins")
+    logits = _check_logits(logits)
+    return _adaptive_ece(logits, _check_labels(labels, logits), num_bins=num_bins)
+
+
+@functools.partial(jax.jit, static_argnames=("num_bins",))
+def _mce(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
+    gaps, counts, invalid = _equal_width_gaps(logits, labels, num_bins)
+    per_bin = jnp.abs(gaps) / jnp.maximum(counts, 1)  # 0 for an empty bin
+    return _poison_all(jnp.max(per_bin), invalid)
+
+
+def mce(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
+    """Maximum calibration error of the ensemble predictive.
+
+    Over the equal-width confidence bins ``(i/M, (i+1)/M]`` of :func:`ece`, the
+    largest ``|accuracy - mean confidence|`` of a non-empty bin, however few
+    examples it holds (Naeini et al., 2015).
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1], [0.8, 0.2]]]))  # E=1, B=2
+    >>> # Right at confidence .9 (gap .1), wrong at .8 (gap .8).
+    >>> round(float(uncertainty.mce(logits, jnp.array([0, 1]), num_bins=10)), 4)
+    0.8
+
+    Args:
+      logits: member logits of shape ``[E, B, C]``.
+      labels: integer class indices of shape ``[B]``, in ``[0, C)``.
+      num_bins: the number of confidence bins M, an int >= 1 (static under
+        :func:`jax.jit`).
+
+    Returns:
+      The MCE in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs) or, under
+      :func:`jax.jit`, a label outside ``[0, C)``.
+
+    Raises:
+      ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, if
+        ``num_bins < 1``, or (when not traced) a label lies outside ``[0, C)``.
+      TypeError: if ``logits`` is not floating-point, ``labels`` not integer or
+        ``num_bins`` not an int.
+    """
+    num_bins = check_positive_int(num_bins, "num_bins")
+    logits = _check_logits(logits)
+    return _mce(logits, _check_labels(labels, logits), num_bins=num_bins)
 
 
 @jax.jit

@@ -6,7 +6,7 @@ pytest-benchmark suite (absolute times, comparable across commits)::
 
 Interleaved ratio table (what the targets are stated in)::
 
-    python -m benchmarks.bench_conv [--repeats 20] [--impl auto]
+    python -m benchmarks.bench_conv [--repeats 20] [--impl xla]
 
 Modules are passed to the jitted function as state, never closed over, so the
 parameters are real inputs of the computation as in training.
@@ -34,7 +34,7 @@ SHAPES = [
 MODES = ("forward", "train", "forward_backward")
 
 
-def build(method, shape, impl="auto"):
+def build(method, shape, impl="xla"):
     num_members, _, _, _, in_features, out_features, kernel = shape
     rngs = nnx.Rngs(0)
     if method == "batchensemble":
@@ -68,7 +68,7 @@ def compiled_step(module, mode):
     return jax.jit(jax.grad(loss, argnums=argnums)), params
 
 
-def case(method, mode, shape, impl="auto"):
+def case(method, mode, shape, impl="xla"):
     num_members, batch, height, width, in_features = shape[:5]
     module = build(method, shape, impl)
     step, params = compiled_step(module, mode)
@@ -100,7 +100,7 @@ def test_conv(benchmark, method, mode, shape):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--impl", default="xla")
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "

@@ -6,7 +6,7 @@ pytest-benchmark suite (absolute times, comparable across commits)::
 
 Interleaved ratio table (what the targets are stated in)::
 
-    python -m benchmarks.bench_dense [--repeats 30] [--impl auto]
+    python -m benchmarks.bench_dense [--repeats 30] [--impl xla]
 
 Modules are passed to the jitted function as state, never closed over, so the
 parameters are real inputs of the computation as in training.
@@ -36,7 +36,7 @@ SHAPES = [
 MODES = ("forward", "train", "forward_backward")
 
 
-def build(method, num_members, in_features, out_features, impl="auto"):
+def build(method, num_members, in_features, out_features, impl="xla"):
     rngs = nnx.Rngs(0)
     if method == "batchensemble":
         return ensembles.BatchEnsembleLinear(
@@ -64,7 +64,7 @@ def compiled_step(module, mode):
     return jax.jit(jax.grad(loss, argnums=argnums)), params
 
 
-def case(method, mode, shape, impl="auto"):
+def case(method, mode, shape, impl="xla"):
     num_members, batch, in_features, out_features = shape
     module = build(method, num_members, in_features, out_features, impl)
     step, params = compiled_step(module, mode)
@@ -90,7 +90,7 @@ def test_dense(benchmark, method, mode, shape):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--impl", default="xla")
     args = parser.parse_args(argv)
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "

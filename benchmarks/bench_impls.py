@@ -10,8 +10,9 @@ compare ratios, not milliseconds, across machines. On CPU the Pallas kernel
 only interprets, so it is not timed there. On a Hopper GPU in bfloat16 it also
 times ``hopper``, the Mosaic GPU forward kernel (``fused_dense(...,
 _family="hopper")``; its gradient is the jnp formulation's), which no ``impl``
-runs until these figures say it should. This is what decides the rows of
-``ensembles.ops.cost.AUTO_TABLE``::
+runs until these figures say it should. These figures decide whether a kernel
+family may ever become a default (today every default is ``"xla"``; the
+kernels are opt-in through ``impl="pallas"``)::
 
     python -m benchmarks.bench_impls [--dtype bfloat16] [--repeats 20] [--json out.json]
 """
@@ -24,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles.benchmark.timing import interleaved_times, median, paired_ratio
+from ensembles.experimental.pallas import fused_dense, mosaic_gpu
 from ensembles.ops import batch_ensemble_dense
-from ensembles.ops.pallas import fused_dense, mosaic_gpu
 
 # (E, B, in, out): shared/notes/gpu.md's speed table.
 SHAPES = [
@@ -137,7 +138,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
-    impls = ["xla", "auto"] + ([] if backend == "cpu" else ["pallas"])
+    impls = ["xla"] + ([] if backend == "cpu" else ["pallas"])
     if dtype in mosaic_gpu.SUPPORTED_DTYPES and mosaic_gpu.is_hopper(jax.devices()[0]):
         impls.append("hopper")
     print(

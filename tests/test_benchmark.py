@@ -20,6 +20,7 @@ from ensembles.benchmark import (
     main,
     model_inputs,
     prepare_method,
+    run_benchmark,
 )
 from tests.covering import covering
 from tests.tolerances import assert_close
@@ -62,7 +63,7 @@ def test_defaults_and_quick():
     assert args.model == ("mlp",)
     assert args.mode == ("forward", "train")
     assert args.members == (1, 2, 4, 8)
-    assert (args.batch, args.repeats, args.impl) == (128, 10, "auto")
+    assert (args.batch, args.repeats, args.impl) == (128, 10, "xla")
     quick = cli._parse(["--quick"])
     assert (quick.members, quick.repeats) == ((1, 4), 5)
     # --quick only fills in what the line leaves out.
@@ -86,7 +87,10 @@ def test_lists_parse():
         (["--members", "1,-2"], "every ensemble size E must be >= 1"),
         (["--members", "1,x"], "comma-separated list of integers"),
         (["--members", "2.5"], "comma-separated list of integers"),
-        (["--model", "resnet"], "unknown 'resnet'; choose from linear, mlp, cnn"),
+        (
+            ["--model", "resnet"],
+            "--model resnet: choose from linear, mlp, cnn or name your own",
+        ),
         (["--mode", "forward,eval"], "unknown 'eval'; choose from forward, train"),
         (["--impl", "cuda"], "invalid choice: 'cuda'"),
         (["--batch", "0"], "must be an integer >= 1, got 0"),
@@ -170,7 +174,8 @@ def test_every_method_runs(model, method, mode):
     assert prepared.method == method
     first = prepared.step()
     if mode == "forward":
-        assert first.shape == (E * B, _outputs(model))
+        rows = B if method == "single_b" else E * B  # single_b: one member's
+        assert first.shape == (rows, _outputs(model))
         assert bool(jnp.all(jnp.isfinite(first)))
         # Forward steps are pure: the same inputs give the same outputs.
         assert_close(prepared.step(), first)
@@ -243,7 +248,7 @@ def test_rank1_train_step_loss_is_cross_entropy_plus_kl_per_row():
 
 
 def test_impl_view_computes_the_same():
-    # "auto" (the cached default) and an explicit "xla" through nnx.view.
+    # The default and an explicit "xla" through nnx.view.
     prepared = prepare_method("batchensemble", "mlp", "forward", impl="xla", **TINY)
     assert_close(prepared.step(), _forward("batchensemble", "mlp").step())
 
@@ -326,11 +331,12 @@ def test_main_json_and_table(capsys, tmp_path):
             "linear",
             2,
             2,
-            "auto",
+            "xla",
         )
         assert row["median_s"] > 0 and len(row["times_s"]) == 2
         assert row["q1_s"] <= row["median_s"] <= row["q3_s"]
-        assert row["samples_per_s"] == pytest.approx(4 / row["median_s"])
+        samples = 2 if row["method"] == "single_b" else 4  # B, or E*B
+        assert row["samples_per_s"] == pytest.approx(samples / row["median_s"])
         assert isinstance(row["params"], int) and row["params"] > 0
         assert isinstance(row["temp_bytes"], int) and row["temp_bytes"] >= 0
         assert row["total_bytes"] > row["param_bytes"] >= 4 * row["params"]
@@ -353,6 +359,8 @@ def test_main_json_and_table(capsys, tmp_path):
             # Every ratio is a ratio of the printed medians.
             m = row["median_s"]
             assert row["ratio_to_single"] == pytest.approx(m / single["median_s"])
+            one_b = by_method[mode, "single_b"]["median_s"]
+            assert row["ratio_to_single_b"] == pytest.approx(m / one_b)
             assert row["speedup_vs_deep_ensemble"] == pytest.approx(
                 vmap["median_s"] / m
             )
@@ -400,9 +408,75 @@ def test_bench_impls_reports_every_impl_as_ratios(tmp_path):
     rows = bench_impls.main(
         ["--shapes", "2,8,16,24", "--repeats", "2", "--json", str(out)]
     )
-    # On CPU: "xla" and "auto" (the kernel only interprets here), two modes.
+    # On CPU: "xla" (the kernel only interprets here), two modes.
     assert {(row["impl"], row["mode"]) for row in rows} == {
-        (impl, mode) for impl in ("xla", "auto") for mode in ("forward", "gradient")
+        ("xla", mode) for mode in ("forward", "gradient")
     }
     assert all(row["vs_linear"] > 0 and row["vs_deep"] > 0 for row in rows)
     assert json.loads(out.read_text()) == rows
+
+
+def small_cnn(rngs):
+    """A user's own model, for --model tests.test_benchmark:small_cnn."""
+    return nnx.Sequential(
+        nnx.Conv(3, 4, (3, 3), rngs=rngs),
+        nnx.relu,
+        lambda x: x.mean(axis=(1, 2)),
+        nnx.Linear(4, 5, rngs=rngs),
+    )
+
+
+def test_a_users_model_through_run_benchmark():
+    rows = run_benchmark(
+        models=[small_cnn],
+        input_shape=(6, 6, 3),
+        modes=["forward", "train"],
+        members=[2],
+        batch=3,
+        repeats=2,
+    )
+    assert {row["model"] for row in rows} == {"small_cnn"}
+    assert [row["method"] for row in rows[: len(METHODS)]] == list(METHODS)
+    by_method = {(r["mode"], r["method"]): r for r in rows}
+    # The BatchEnsemble converted the user's conv and linear: fast weights.
+    assert (
+        by_method["forward", "batchensemble"]["params"]
+        > by_method["forward", "single"]["params"]
+    )
+    assert (
+        by_method["train", "deep_ensemble"]["params"]
+        == 2 * by_method["train", "single"]["params"]
+    )
+    with pytest.raises(ValueError, match=r"`input_shape` must give one example"):
+        run_benchmark(models=[small_cnn], modes=["forward"], members=[2], repeats=1)
+
+
+def test_cli_takes_a_users_model(capsys):
+    status = main(
+        [
+            "--model",
+            "tests.test_benchmark:small_cnn",
+            "--input-shape",
+            "6,6,3",
+            "--mode",
+            "forward",
+            "--members",
+            "2",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+        ]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "small_cnn forward: B=2 per member, impl=xla" in out
+    for argv, message in (
+        (["--model", "tests.test_benchmark:small_cnn"], "needs --input-shape"),
+        (["--model", "tests.test_benchmark:nothing"], "has no callable 'nothing'"),
+        (["--model", "no_such_module:f"], "cannot import 'no_such_module'"),
+        (["--model", "x:f", "--input-shape", "3,0"], "--input-shape: must be"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err, argv

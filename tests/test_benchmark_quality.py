@@ -19,11 +19,8 @@ from ensembles.benchmark.quality_data import (
     SHIFTS,
     load_quality_data,
 )
-from ensembles.benchmark.quality_methods import (
-    QUALITY_METHODS,
-    build_quality_model,
-    train_method,
-)
+from ensembles.benchmark.quality_methods import QUALITY_METHODS, train_method
+from ensembles.benchmark.quality_models import build_quality_model
 from tests.tolerances import assert_close
 
 pytest.importorskip("mnist1d")
@@ -174,17 +171,24 @@ def test_models_and_dropout(name):
 
 
 def test_methods_are_what_they_claim(data):
-    trained = {
-        method: train_method(
-            method, "mlp", data.x_train, data.y_train, num_members=3, steps=3
+    trained = {}
+    for method in QUALITY_METHODS:  # "single" first: "finetuned" starts from it
+        start = trained["single"].model if method == "finetuned" else None
+        trained[method] = train_method(
+            method,
+            "mlp",
+            data.x_train,
+            data.y_train,
+            num_members=3,
+            steps=3,
+            start=start,
         )
-        for method in QUALITY_METHODS
-    }
     shapes = {m: t.predict(data.x_test[:7]).shape for m, t in trained.items()}
     assert shapes == {
         "single": (1, 7, 10),
         "batchensemble": (3, 7, 10),
         "rank1": (3, 7, 10),
+        "finetuned": (3, 7, 10),
         "deep_ensemble": (3, 7, 10),
         "mc_dropout": (3, 7, 10),
     }
@@ -196,11 +200,19 @@ def test_methods_are_what_they_claim(data):
     # rank1: BatchEnsemble + a posterior scale per fast weight.
     fast = sum(3 * (i + o) for i, o in ((40, 256), (256, 256), (256, 10)))
     assert trained["rank1"].params == trained["batchensemble"].params + fast
+    # finetuned: the single model converted (the same parameters as BE's).
+    assert trained["finetuned"].params == trained["batchensemble"].params
     # rank1 predicts with one draw per member: two predictions differ.
     first = trained["rank1"].predict(data.x_test[:7])
     assert not np.allclose(first, trained["rank1"].predict(data.x_test[:7]))
     # Members differ (fast weights, initialisations, dropout masks).
-    for method in ("batchensemble", "rank1", "deep_ensemble", "mc_dropout"):
+    for method in (
+        "batchensemble",
+        "rank1",
+        "finetuned",
+        "deep_ensemble",
+        "mc_dropout",
+    ):
         logits = trained[method].predict(data.x_test[:7])
         assert not np.allclose(logits[0], logits[1]), method
     for t in trained.values():
@@ -323,7 +335,8 @@ def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypat
         steps=2,
         data=data,
     )
-    assert trained == [("single", 2), ("batchensemble", 2), ("batchensemble", 3)]
+    # single is trained once (as one model: num_members=1), for every E.
+    assert trained == [("single", 1), ("batchensemble", 2), ("batchensemble", 3)]
     singles = [row for row in rows if row["method"] == "single"]
     assert [row["members"] for row in singles] == [2, 3]
     assert singles[0]["in_distribution"] == singles[1]["in_distribution"]
@@ -392,7 +405,10 @@ def test_quality_defaults_and_quick():
         (["--quality", "--mode", "train"], "--mode applies only without --quality"),
         (["--quality", "--batch", "4", "--impl", "xla"], "--batch, --impl apply only"),
         (["--steps", "10"], "--steps applies only with --quality"),
-        (["--quality", "--model", "linear"], "--quality --model linear: the quality"),
+        (
+            ["--quality", "--model", "linear"],
+            "--model linear: choose from cnn, mlp (MNIST-1D classifiers)",
+        ),
         (["--quality", "--seeds", "0"], "must be an integer >= 1, got 0"),
     ],
 )
@@ -437,12 +453,14 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     rows = result["results"]
     assert [row["method"] for row in rows] == list(QUALITY_METHODS)
     for row in rows:
-        assert {row["model"], row["members"], row["seed"], row["steps"]} == {
+        # finetuned counts its fine-tuning steps only: a quarter of 3, at least 1.
+        steps = 1 if row["method"] == "finetuned" else 3
+        assert (row["model"], row["members"], row["seed"], row["steps"]) == (
             "cnn",
             4,
             0,
-            3,
-        }
+            steps,
+        )
         assert row["params"] > 0 and row["train_s"] > 0
         assert sorted(row["in_distribution"]) == sorted(METRICS)
         assert [level["severity"] for level in row["shift"]] == list(SEVERITIES)

@@ -16,7 +16,8 @@ from flax import nnx
 import ensembles
 from ensembles import initializers
 from ensembles._checks import check_positive_int, check_real
-from ensembles.ops import BlockSizes, batch_ensemble_dense_general
+from ensembles.experimental.pallas import BlockSizes
+from ensembles.ops import batch_ensemble_dense_general
 from tests.models import MLP
 
 REALS = [0.25, np.float32(0.25), np.float64(0.25), jnp.float32(0.25), np.array(0.25)]

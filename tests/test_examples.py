@@ -18,6 +18,7 @@ def test_quickstart_runs_and_learns(capsys):
     accuracy = load("quickstart").main(["--steps", "60", "--members", "2"])
     out = capsys.readouterr().out
     assert "member 1: test accuracy" in out
-    assert "reproduces member 0: True" in out
+    assert "view(model, member=0) reproduces member 0: True" in out
+    assert "of nnx.Linear layers, reproduces member 0: True" in out
     # Ten classes: chance is 0.1; 60 Adam steps already get far above it.
     assert accuracy > 0.5

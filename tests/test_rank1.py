@@ -634,7 +634,7 @@ class TestErrors:
         with pytest.raises(TypeError, match=r"`deterministic`"):
             nnx.view(layer, deterministic=1, impl="xla")
         assert_same(before, snapshot(layer))
-        assert layer.impl == "auto" and layer.deterministic is False
+        assert layer.impl == "xla" and layer.deterministic is False
 
     def test_convert_refuses_a_bad_posterior_and_changes_nothing(self):
         model = MLP(nnx.Rngs(0))

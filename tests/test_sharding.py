@@ -29,7 +29,7 @@ from flax import nnx
 
 import ensembles
 from ensembles.layers import sharding
-from ensembles.ops import dense, dense_xla
+from ensembles.ops import dense, dense_formulations
 
 SCRIPT = textwrap.dedent(
     """
@@ -334,6 +334,12 @@ def test_from_linear_keeps_the_bias_annotation():
     assert layer.extract_member(1).bias.get_metadata()["out_sharding"] == ("model",)
 
 
+def _by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    """The one-device path (member reshapes), in the formulation of the rule."""
+    config = dense_formulations.DenseConfig(precision, preferred_element_type, None)
+    return dense._dense_by_member(inputs, kernel, r, s, bias, config)
+
+
 @pytest.mark.parametrize("leading", [(), (3,), (2, 3)])
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_row_formulation_matches_member_formulation(leading, use_bias):
@@ -363,7 +369,7 @@ def test_row_formulation_matches_member_formulation(leading, use_bias):
                 formulation(*args, **options),
                 jax.grad(functools.partial(loss, formulation), argnums)(*args),
             )
-            for formulation in (dense._dense_by_row, dense_xla.dense_by_member)
+            for formulation in (dense_formulations.dense_by_row, _by_member)
         ]
 
     (by_row, grads_row), (by_member, grads_member) = both(*args)

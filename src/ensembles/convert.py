@@ -179,10 +179,13 @@ def to_batch_ensemble(
     layers, norm_layers, skipped_norms, existing = [], [], [], {}
     posteriors: dict[str, str | None] = {}
     custom_norms: list[str] = []
+    unselected: list[str] = []
     priors: dict[str, float] = {}
     for path, node in nnx.iter_graph(model):
         where = "/".join(map(str, path))
-        if type(node) in CONVERTERS and selected(path, node):
+        if type(node) in CONVERTERS and not selected(path, node):
+            unselected.append(f"{where} ({type(node).__name__})")
+        elif type(node) in CONVERTERS:
             layers.append(where)
             selected_paths.update(paths.get(id(node), [path]))
         elif type(node) in norm_types:
@@ -232,11 +235,18 @@ def to_batch_ensemble(
             f'add their types), or pass norms="shared".'
         )
     if not layers and not norm_layers and not existing:
+        seen = (
+            f"`only`={only!r} selects none of the convertible layers it saw: "
+            f"{unselected}. A path predicate gets each layer's path as a tuple "
+            f"of keys, e.g. ('blocks', 0, 'mlp', 'linear1'): test with "
+            f"`'mlp' in path`, not a string match on the whole path"
+            if unselected
+            else f"it holds none of the convertible types "
+            f"{sorted(t.__name__ for t in CONVERTERS)}"
+        )
         raise ValueError(
             f"to_batch_ensemble found no layer to convert in "
-            f"{type(model).__name__}: convertible types are "
-            f"{sorted(t.__name__ for t in CONVERTERS)}, selected by `only`="
-            f"{only!r}."
+            f"{type(model).__name__}: {seen}."
         )
 
     if custom_norms:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from ensembles._checks import check_member_batch, check_num_members
 
-__all__ = ["tile", "untile"]
+__all__ = ["per_row", "tile", "untile"]
 
 
 def _check_has_batch_axis(x: jax.Array, name: str) -> None:
@@ -67,3 +67,38 @@ def untile(y: jax.Array, num_members: int) -> jax.Array:
     _check_has_batch_axis(y, "y")
     batch = check_member_batch(y.shape[0], num_members, name="y.shape[0]")
     return y.reshape(num_members, batch, *y.shape[1:])
+
+
+def per_row(weights: jax.Array, rows: int, ndim: int) -> jax.Array:
+    """Per-member vectors ``[E, C]`` as per-row vectors ``[E*B, 1, ..., 1, C]``.
+
+    Row ``i`` of the result is member ``i // B``'s vector (``B = rows // E``),
+    shaped to broadcast against a member-major ``[E*B, ..., C]`` array of
+    ``ndim`` dimensions in that array's own layout: how the ops apply ``r``,
+    ``s`` and biases. Multiplying by it is one elementwise pass XLA fuses with
+    its neighbours, where viewing the activations as ``[E, B, ..., C]`` makes
+    XLA's CPU backend copy them around a convolution (``docs/cost.md``).
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.members import per_row
+    >>> per_row(jnp.array([[1.0, 2.0], [3.0, 4.0]]), 4, 3)[:, 0, :]
+    Array([[1., 2.],
+           [1., 2.],
+           [3., 4.],
+           [3., 4.]], dtype=float32)
+    >>> per_row(jnp.ones((2, 5)), 6, 4).shape
+    (6, 1, 1, 5)
+
+    Args:
+      weights: ``[E, C]`` per-member vectors.
+      rows: ``E*B``, the member-major array's leading size.
+      ndim: the member-major array's number of dimensions (at least 2).
+
+    Returns:
+      The ``[E*B, 1, ..., 1, C]`` per-row vectors.
+    """
+    num_members, channels = weights.shape
+    repeated = jnp.repeat(
+        weights, rows // num_members, axis=0, total_repeat_length=rows
+    )
+    return repeated.reshape(rows, *(1,) * (ndim - 2), channels)

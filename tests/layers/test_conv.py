@@ -17,6 +17,7 @@ from jax import lax
 import ensembles
 from ensembles import BatchEnsembleConv, BatchEnsembleConvTranspose, initializers
 from ensembles.layers.sharding import without_member_axis_metadata
+from ensembles.ops import conv_options
 from tests.reference import (
     assert_same,
     assert_trees_equal,
@@ -28,6 +29,19 @@ from tests.reference import (
 from tests.tolerances import assert_close
 
 NUM_MEMBERS, BATCH = 2, 2
+
+
+def canonical(layer, name, value):
+    """An option in the canonical form our layers hold it in (checked once, at
+    construction): spatial options as tuples, padding as lax or Flax takes it."""
+    rank = len(layer.kernel_size)
+    if name in ("strides", "input_dilation", "kernel_dilation"):
+        return conv_options.spatial_tuple(value, name, rank)
+    if name == "padding":
+        transpose = isinstance(layer, nnx.ConvTranspose | BatchEnsembleConvTranspose)
+        return conv_options.check_padding(value, rank, transpose=transpose)
+    return value
+
 
 # name -> (constructor options, spatial input shape, extra batch axes)
 CONV_CASES = {
@@ -376,7 +390,7 @@ class TestParameters:
         assert type(layer.r) is ensembles.FastWeight and layer.r.shape == (3, 4)
         assert type(layer.s) is ensembles.FastWeight and layer.s.shape == (3, 6)
         assert type(layer.bias) is nnx.Param and layer.bias.shape == (3, 6)
-        assert layer.kernel_size == (3, 2) and layer.strides == 2
+        assert layer.kernel_size == (3, 2) and layer.strides == (2, 2)
         assert layer.padding == "VALID" and layer.feature_group_count == 2
         assert layer.precision == "highest" and layer.impl == "xla"
         assert layer.member is None and layer.mask is None
@@ -393,14 +407,14 @@ class TestParameters:
         )
         assert layer.kernel.shape == (3, 2, 6, 4)
         assert layer.r.shape == (3, 4) and layer.s.shape == (3, 6)
-        assert layer.strides is None and layer.kernel_dilation is None
+        assert layer.strides == layer.kernel_dilation == (1, 1)
 
     def test_positional_arguments_mirror_flax(self):
         # nnx.Conv(3, 8, (3, 3), 2, rngs=r) -> BatchEnsembleConv(..., num_members=4)
         flax_layer = nnx.Conv(3, 8, (3, 3), 2, rngs=nnx.Rngs(0))
         layer = BatchEnsembleConv(3, 8, (3, 3), 2, num_members=4, rngs=nnx.Rngs(0))
         assert layer.kernel.shape == flax_layer.kernel.shape
-        assert layer.strides == flax_layer.strides == 2
+        assert layer.strides == (2, 2) and flax_layer.strides == 2
 
     def test_default_initializers_and_metadata(self):
         layer = BatchEnsembleConv(
@@ -537,7 +551,8 @@ class TestFromConv:
             if name.startswith("_") or name in ("kernel", "bias", "mask"):
                 continue
             if name != "conv_general_dilated":
-                assert getattr(layer, name) == getattr(original, name), name
+                expected = canonical(original, name, getattr(original, name))
+                assert getattr(layer, name) == expected, name
         assert layer.mask is original.mask
         spatial = (9,) if isinstance(options["kernel_size"], int) else (6, 5)
         x = random_array(5, (6, *spatial, 4))
@@ -703,7 +718,8 @@ class TestMembers:
         assert_trees_equal(nnx.state(back), nnx.state(original))
         for name in vars(original):
             if not name.startswith("_") and name not in ("kernel", "bias", "mask"):
-                assert getattr(back, name) == getattr(original, name), name
+                expected = canonical(original, name, getattr(original, name))
+                assert canonical(back, name, getattr(back, name)) == expected, name
         assert without_member_axis_metadata({"sharding_names": (None, "x")}) == {
             "sharding_names": ("x",)
         }
@@ -728,7 +744,7 @@ class TestMembers:
     def test_impl_view_and_view_info(self, cls):
         layer = cls(4, 6, (3, 3), num_members=3, rngs=nnx.Rngs(0))
         view = nnx.view(layer, impl="xla")
-        assert view.impl == "xla" and layer.impl == "auto"
+        assert view.impl == "xla" and layer.impl == "xla"
         x = random_array(0, (6, 5, 5, 4))
         np.testing.assert_array_equal(view(x), layer(x))
         info = nnx.view_info(layer)
@@ -787,7 +803,7 @@ class TestErrors:
             (
                 {"impl": "pallas_gpu"},
                 ValueError,
-                r"`impl` must be one of \['auto', 'xla'\], got 'pallas_gpu'",
+                r"`impl` must be one of \['xla'\], got 'pallas_gpu'",
             ),
             (
                 {"in_features": 0},

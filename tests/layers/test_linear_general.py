@@ -359,7 +359,7 @@ class TestViewsAndExtract:
         ]:
             with pytest.raises(error, match=r"`(member|impl)`"):
                 nnx.view(layer, **kwargs)
-            assert layer.member is None and layer.impl == "auto"
+            assert layer.member is None and layer.impl == "xla"
         with pytest.raises(ValueError, match=r"`member` must be in \[0, 3\)|\[0, 3\)"):
             layer.extract_member(3)
 

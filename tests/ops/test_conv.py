@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensembles.ops import batch_ensemble_conv, batch_ensemble_conv_transpose
+from ensembles.ops import (
+    batch_ensemble_conv,
+    batch_ensemble_conv_transpose,
+    conv,
+    conv_transpose,
+)
 from ensembles.ops.conv import effective_kernel
-from ensembles.ops.plan import CONV_IMPLS as IMPLS
-from ensembles.ops.plan import resolve_impl
 from tests.reference import conv_effective_kernel
 from tests.tolerances import assert_close
 
@@ -62,8 +65,8 @@ def test_grouped_effective_kernel_by_hand():
 
 
 def test_impls():
-    assert IMPLS == ("auto", "xla")
-    assert resolve_impl("auto", impls=IMPLS) == "xla"
+    # One implementation each: the jnp formulation ("auto" is gone).
+    assert conv.IMPLS == conv_transpose.IMPLS == ("xla",)
 
 
 def conv_args(num_members=2, batch=3, in_features=4, out_features=6):
@@ -131,7 +134,12 @@ OPS = [
         (
             {"impl": "pallas"},
             ValueError,
-            r"`impl` must be one of \['auto', 'xla'\], got 'pallas'",
+            r"`impl` must be one of \['xla'\], got 'pallas'",
+        ),
+        (
+            {"impl": "auto"},
+            ValueError,
+            r"`impl` must be one of \['xla'\], got 'auto'",
         ),
         (
             {"strides": (1, 1, 1)},

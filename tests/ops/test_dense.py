@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ensembles.ops import batch_ensemble_dense
-from ensembles.ops.plan import IMPLS, resolve_impl
+from ensembles.ops import IMPLS, Formulation, batch_ensemble_dense
 from tests.covering import covering
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close
@@ -130,12 +129,13 @@ def test_precision_is_passed_to_the_matmul(precision, text):
     assert f"precision = [{text}]" in dot
 
 
-def test_auto_resolves_to_xla_on_cpu():
-    assert IMPLS == ("auto", "xla", "pallas")
-    assert resolve_impl("auto") == "xla"
+def test_default_impl_is_xla():
+    # "auto" is gone: the jnp formulation is the default on every backend, the
+    # Pallas kernel runs only when named.
+    assert IMPLS == ("xla", "pallas")
     args = make_args(0, 2, 2, (), 4, 3, jnp.float32)
     np.testing.assert_array_equal(
-        batch_ensemble_dense(*args, num_members=2, impl="auto"),
+        batch_ensemble_dense(*args, num_members=2),
         batch_ensemble_dense(*args, num_members=2, impl="xla"),
     )
 
@@ -231,10 +231,30 @@ class TestErrors:
                 **extra,
             )  # fmt: skip
 
-    def test_unknown_impl(self):
+    @pytest.mark.parametrize("impl", ["cuda", "auto"])
+    def test_unknown_impl(self, impl):
         x, kernel, r, s, bias = self.args()
-        with pytest.raises(ValueError, match=r"`impl` must be one of .*'cuda'"):
-            batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, impl="cuda")
+        with pytest.raises(
+            ValueError,
+            match=rf"`impl` must be one of \['xla', 'pallas'\], got '{impl}'",
+        ):
+            batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, impl=impl)
+
+    @pytest.mark.parametrize(
+        "bad", ["fold", ("fold", "member_kernels"), {"forward": "fold"}]
+    )
+    def test_formulation_type(self, bad):
+        x, kernel, r, s, bias = self.args()
+        with pytest.raises(TypeError, match=r"`formulation` must be an .*Formulation"):
+            batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, formulation=bad)
+
+    def test_formulation_accepted(self):
+        x, kernel, r, s, bias = self.args()
+        forced = Formulation("fold", "member_kernels")
+        y = batch_ensemble_dense(
+            x, kernel, r, s, bias, num_members=2, formulation=forced
+        )
+        assert_close(y, dense_reference(x, kernel, r, s, bias, 2), scale=4)
 
 
 # Every impl over one shape grid, empty batches included: (E, rows per member,
@@ -247,7 +267,7 @@ IMPL_GRID = [
     (2, 5, (2,), 7, 9),
     (2, 16, (), 16, 16),
 ]
-# Op by op, the three impls' gradients take seconds per shape; jitted, a
+# Op by op, the impls' gradients take seconds per shape; jitted, a
 # fraction. Two shapes (an empty batch, and E=3 with one row each) run eagerly.
 EAGER_GRID = {(2, 0, (), 5, 3), (3, 1, (), 5, 3)}
 
@@ -261,7 +281,7 @@ def test_every_impl_gives_the_same_answer(
     args = make_args(
         3, num_members, rows, middle, in_features, out_features, jnp.float32
     )
-    options = {"xla": {}, "auto": {}, "pallas": {"interpret": True}}
+    options = {"xla": {}, "pallas": {"interpret": True}}
     assert set(options) == set(IMPLS)
     cotangent = jnp.ones((num_members * rows, *middle, out_features))
     eager = (num_members, rows, middle, in_features, out_features) in EAGER_GRID

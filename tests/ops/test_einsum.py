@@ -200,7 +200,7 @@ def pallas_interpreted_off_gpu(monkeypatch):
         return
     original = dense.batch_ensemble_dense
 
-    def interpreted(*args, impl="auto", **kwargs):
+    def interpreted(*args, impl="xla", **kwargs):
         if impl == "pallas":
             kwargs["interpret"] = True
         return original(*args, impl=impl, **kwargs)
@@ -208,7 +208,7 @@ def pallas_interpreted_off_gpu(monkeypatch):
     monkeypatch.setattr(dense, "batch_ensemble_dense", interpreted)
 
 
-@pytest.mark.parametrize("impl", ["auto", "xla", "pallas"])
+@pytest.mark.parametrize("impl", dense.IMPLS)
 @pytest.mark.parametrize("name", ["gemma_qkv", "member_not_first", "ellipsis"])
 def test_impls_match_reference(impl, name, pallas_interpreted_off_gpu):
     config, *args = make_args(name, 3, jnp.float32)
@@ -350,10 +350,14 @@ class TestErrors:
         ):
             batch_ensemble_einsum(x[:3], *params, einsum_str=config[0], num_members=2)
 
-    def test_unknown_impl(self):
+    @pytest.mark.parametrize("impl", ["cuda", "auto"])
+    def test_unknown_impl(self, impl):
         config, *args = make_args("gemma_qkv", 2, jnp.float32)
-        with pytest.raises(ValueError, match=r"`impl`"):
-            op(config, 2, impl="cuda")(*args)
+        with pytest.raises(
+            ValueError,
+            match=rf"`impl` must be one of \['xla', 'pallas'\], got '{impl}'",
+        ):
+            op(config, 2, impl=impl)(*args)
 
 
 @settings(max_examples=10, deadline=None)

@@ -37,11 +37,10 @@ from ensembles.benchmark.quality_data import (
 )
 from ensembles.benchmark.quality_methods import (
     QUALITY_METHODS,
-    QUALITY_MODELS,
     Trained,
-    build_quality_model,
     train_method,
 )
+from ensembles.benchmark.quality_models import QUALITY_MODELS, build_quality_model
 from ensembles.benchmark.quality_report import format_quality, write_quality_plot
 from ensembles.benchmark.speed import run_benchmark
 from ensembles.benchmark.timing import (

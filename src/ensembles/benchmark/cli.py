@@ -14,6 +14,7 @@ distribution and under shift, and out-of-distribution AUROC
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ import ensembles
 from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
 from ensembles.benchmark.quality import run_quality, summarize
-from ensembles.benchmark.quality_methods import QUALITY_MODELS, STEPS
+from ensembles.benchmark.quality_methods import STEPS
+from ensembles.benchmark.quality_models import QUALITY_MODELS
 from ensembles.benchmark.quality_report import format_quality, write_quality_plot
 from ensembles.benchmark.report import (
     _describe_device,
@@ -45,7 +47,7 @@ DEFAULTS: dict[str, Any] = {
     "members": (1, 2, 4, 8),
     "batch": 128,
     "image_size": DEFAULT_IMAGE_SIZE,
-    "impl": "auto",
+    "impl": "xla",
     "repeats": 10,
 }
 QUICK: dict[str, Any] = {**DEFAULTS, "members": (1, 4), "repeats": 5}
@@ -61,7 +63,15 @@ QUALITY_QUICK: dict[str, Any] = {**QUALITY_DEFAULTS, "model": ("cnn",), "seeds":
 
 # Options of one benchmark only (their defaults are None so that a given one
 # can be told apart).
-_SPEED_ONLY = ("mode", "batch", "width", "image_size", "impl", "repeats")
+_SPEED_ONLY = (
+    "mode",
+    "batch",
+    "width",
+    "image_size",
+    "input_shape",
+    "impl",
+    "repeats",
+)
 _QUALITY_ONLY = ("seeds", "steps")
 
 _EXTRA_HINT = "pip install 'ensembles[bench]'"
@@ -96,6 +106,54 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(values))
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part.strip()) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be one example's shape, comma-separated integers >= 1 such as "
+            f"32,32,3; got {text!r}"
+        )
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+
+
+def load_factory(reference: str) -> Callable[..., Any]:
+    """Imports ``"package.module:factory"``: a user's model factory.
+
+    >>> load_factory("ensembles.benchmark.quality_models:build_quality_model")
+    <function build_quality_model at ...>
+
+    Args:
+      reference: the module's import path, a colon, the factory's name.
+
+    Returns:
+      The factory.
+
+    Raises:
+      ValueError: if the reference is malformed, the module cannot be
+        imported, or it has no such callable.
+    """
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"a model factory is named 'package.module:factory', got {reference!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
+    return factory
+
+
 def _choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     def parse(text: str) -> tuple[str, ...]:
         values = tuple(part.strip() for part in text.split(","))
@@ -127,10 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ensembles-bench",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=(
-            "Speed: every method processes the same E*B member-samples; "
-            "samples/s counts member-samples; 'ms' is the median time of a step. "
-            "'x single' is that median over the median of one plain model on all "
-            "E*B rows; 'vs deep' is the median of the faster deep ensemble (E "
+            "Speed: every method processes the same E*B member-samples (but "
+            "single_b: one plain model on one member's B rows); samples/s counts "
+            "member-samples; 'ms' is the median time of a step. 'x 1 on E*B' is "
+            "that median over the median of one plain model on all E*B rows (the "
+            "same matmuls: the limit); 'x 1 on B' over one plain model on B rows, "
+            "what a prediction costs without an ensemble (E members cost about E "
+            "times its FLOPs); 'vs deep' is the median of the faster deep ensemble (E "
             "models run with nnx.vmap, or one after another in a Python loop; "
             "both are rows of the table) over the row's median: above 1, the row "
             "is faster. '/deep' columns are fractions of that faster deep "
@@ -159,10 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
-        type=_choice_list(MODELS),
+        type=_name_list,
         default=None,
         help=f"{'|'.join(MODELS)} or a comma-separated list (default: mlp; "
-        f"--quality: {','.join(QUALITY_MODELS)} of MNIST-1D, --quick: cnn)",
+        f"--quality: {','.join(QUALITY_MODELS)} of MNIST-1D, --quick: cnn); an "
+        f"entry 'package.module:factory' imports your own model, a function "
+        f"rngs -> nnx.Module (--quality: a classifier of [N, 40] MNIST-1D "
+        f"sequences into 10 classes; mc_dropout calls it with dropout=rate too)",
     )
     parser.add_argument(
         "--mode",
@@ -200,11 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"height and width of the CNN's images (default: {DEFAULT_IMAGE_SIZE})",
     )
     parser.add_argument(
+        "--input-shape",
+        type=_shape,
+        default=None,
+        help="one example's shape for a --model package.module:factory, "
+        "comma-separated, e.g. 32,32,3 for images",
+    )
+    parser.add_argument(
         "--impl",
         choices=ensembles.ops.IMPLS,
         default=None,
         help="BatchEnsemble op implementation, set with nnx.view(model, impl=...) "
-        "(default: auto)",
+        "(default: xla; pallas: the opt-in fused kernel of the dense layers, "
+        "on a GPU or TPU)",
     )
     parser.add_argument(
         "--repeats",
@@ -290,13 +362,24 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"{'--quality' if args.quality else '--mode train'} needs optax, "
                 f"which is not installed: {_EXTRA_HINT}"
             )
-    if args.quality:
-        unknown = [model for model in args.model if model not in QUALITY_MODELS]
-        if unknown:
+    known = QUALITY_MODELS if args.quality else MODELS
+    resolved = []
+    for model in args.model:
+        if ":" in model:
+            try:
+                resolved.append(load_factory(model))
+            except ValueError as error:
+                parser.error(f"--model {model}: {error}")
+        elif model in known:
+            resolved.append(model)
+        else:
             parser.error(
-                f"--quality --model {','.join(unknown)}: the quality benchmark "
-                f"trains {' and '.join(QUALITY_MODELS)} (MNIST-1D classifiers)"
+                f"--model {model}: choose from {', '.join(known)} "
+                f"{'(MNIST-1D classifiers) ' if args.quality else ''}or name your "
+                f"own factory as package.module:factory"
             )
+    args.model = tuple(resolved)
+    if args.quality:
         try:
             import mnist1d  # noqa: F401
         except ImportError:
@@ -304,7 +387,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--quality needs mnist1d, which is not installed: {_EXTRA_HINT}"
             )
         return args
+    factories = [m for m in args.model if not isinstance(m, str)]
+    if factories and args.input_shape is None:
+        parser.error(
+            "--model package.module:factory needs --input-shape (one example's "
+            "shape, e.g. 32,32,3): the benchmark draws random inputs"
+        )
     for model in args.model:
+        if not isinstance(model, str):
+            continue  # a factory: converted when its rows run
         try:
             check_convertible(model, args.impl)
         except ValueError as error:
@@ -336,11 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["--model", "linear", "--mode", "forward", "--members", "2",
     ...       "--batch", "2", "--width", "4", "--repeats", "1", "--markdown"])
     ensembles ... median of 1 interleaved rounds
-    **linear forward: B=2 per member, width 4, impl=auto; ...**
+    **linear forward: B=2 per member, width 4, impl=xla; ...**
     <BLANKLINE>
-    | E | method | ms | spread | samples/s | x single | vs deep | params | ...
+    | E | method | ms | spread | samples/s | x 1 on E*B | x 1 on B | vs deep | ...
     |---:|:---|---:|...
     | 2 | single | ... | 1.00 | ...
+    | 2 | single_b | ...
     | 2 | batchensemble | ...
     | 2 | deep_ensemble | ...
     | 2 | deep_ensemble_loop | ...
@@ -370,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch=args.batch,
         width=args.width,
         image_size=args.image_size,
+        input_shape=args.input_shape,
         impl=args.impl,
         repeats=args.repeats,
         seed=args.seed,

@@ -5,6 +5,8 @@ rows ``[k*B, (k+1)*B)``):
 
 - ``single``: one plain model on all ``E*B`` rows (the floor: the FLOPs of one
   member on the whole batch);
+- ``single_b``: one plain model on one member's ``B`` rows: what a prediction
+  costs without an ensemble (E members cost about E times its FLOPs);
 - ``batchensemble``: the model converted by :func:`ensembles.to_batch_ensemble`
   on the member-major ``[E*B, ...]`` batch;
 - ``rank1``: the same conversion with rank-1 Bayesian fast weights
@@ -47,6 +49,7 @@ __all__ = [
 #: The compared methods, in table order.
 METHODS: tuple[str, ...] = (
     "single",
+    "single_b",
     "batchensemble",
     "rank1",
     "deep_ensemble",
@@ -59,9 +62,9 @@ MODES: tuple[str, ...] = ("forward", "train")
 #: Adam's learning rate in ``mode="train"``.
 LEARNING_RATE: float = 1e-3
 
-# The Flax layers the benchmark models use; after conversion none may remain,
-# else "batchensemble" would time a partly plain model.
-_PLAIN_LAYERS = (nnx.Linear, nnx.Conv)
+# The Flax layers conversion replaces; after it none may remain, else
+# "batchensemble" would time a partly plain model.
+_PLAIN_LAYERS = tuple(ensembles.convert.CONVERTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +122,7 @@ class Prepared:
     memory: MemoryStats
 
 
-def check_convertible(model: str, impl: str = "auto") -> None:
+def check_convertible(model: str, impl: str = "xla") -> None:
     """Raises unless ``model`` converts completely and takes ``impl``.
 
     :func:`ensembles.to_batch_ensemble` must convert every layer, and every
@@ -163,14 +166,15 @@ def check_convertible(model: str, impl: str = "auto") -> None:
 
 def prepare_method(
     method: str,
-    model: str,
+    model: str | Callable[[nnx.Rngs], nnx.Module],
     mode: str,
     *,
     num_members: int,
     batch: int,
     width: int | None = None,
     image_size: int = DEFAULT_IMAGE_SIZE,
-    impl: str = "auto",
+    input_shape: tuple[int, ...] | None = None,
+    impl: str = "xla",
     fast_weight_init: ensembles.initializers.Initializer | None = None,
     seed: int = 0,
 ) -> Prepared:
@@ -196,12 +200,16 @@ def prepare_method(
 
     Args:
       method: one of :data:`METHODS`.
-      model: one of :data:`~ensembles.benchmark.MODELS`.
+      model: one of :data:`~ensembles.benchmark.MODELS`, or a factory
+        ``rngs -> nnx.Module`` (train: softmax cross-entropy over its
+        outputs' last axis).
       mode: one of :data:`MODES`.
       num_members: the ensemble size E.
       batch: samples per member B.
       width: see :func:`~ensembles.benchmark.build_model`.
       image_size: the CNN's image height and width.
+      input_shape: a factory's example shape (see
+        :func:`~ensembles.benchmark.model_inputs`).
       impl: the BatchEnsemble op implementation, one of
         ``ensembles.ops.IMPLS``, set with ``nnx.view(model, impl=impl)``.
       fast_weight_init: ``r_init`` and ``s_init`` of the conversion; ``None``
@@ -221,10 +229,17 @@ def prepare_method(
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}.")
     x, labels = model_inputs(
-        model, num_members * batch, width=width, image_size=image_size, seed=seed
+        model,
+        num_members * batch,
+        width=width,
+        image_size=image_size,
+        input_shape=input_shape,
+        seed=seed,
     )
-    if method == "single":
+    if method in ("single", "single_b"):
         module = build_model(model, width=width, rngs=nnx.Rngs(seed))
+        if method == "single_b":  # one member's share of the rows
+            x, labels = x[:batch], labels[:batch]
         return _prepare_one(method, module, mode, x, labels)
     if method in ("batchensemble", "rank1"):
         base = build_model(model, width=width, rngs=nnx.Rngs(seed))
@@ -236,7 +251,7 @@ def prepare_method(
         for k in range(num_members)
     ]
     xs = x.reshape(num_members, batch, *x.shape[1:])
-    ys = labels.reshape(num_members, batch)
+    ys = labels.reshape(num_members, batch, *labels.shape[1:])
     if method == "deep_ensemble":
         return _prepare_vmap(members, mode, xs, ys)
     return _prepare_loop(members, mode, xs, ys)
@@ -262,7 +277,7 @@ def _convert(base, num_members, fast_weight_init, seed, posterior):
         raise ValueError(
             f"ensembles {ensembles.__version__} cannot convert every layer of "
             f"this model: {', '.join(left)} stayed plain, so 'batchensemble' "
-            f"would not be a BatchEnsemble model. Choose another --model."
+            f"would not be a BatchEnsemble model."
         )
     return converted
 

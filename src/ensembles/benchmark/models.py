@@ -1,10 +1,14 @@
-"""The plain Flax models the benchmark compares: a layer, an MLP and a small CNN.
+"""The models the benchmark compares: a layer, an MLP, a CNN, or your own.
 
-Every model is an ``nnx.Sequential`` of stock Flax layers, so what is measured
-is what a user would convert with :func:`ensembles.to_batch_ensemble`.
+Every model of the benchmark's is an ``nnx.Sequential`` of stock Flax layers,
+so what is measured is what a user would convert with
+:func:`ensembles.to_batch_ensemble`; a factory ``rngs -> nnx.Module`` brings
+the user's model (with the shape of one example, ``input_shape``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ __all__ = [
     "NUM_CLASSES",
     "build_model",
     "model_inputs",
+    "model_name",
 ]
 
 #: The ``--model`` choices.
@@ -39,12 +44,15 @@ def _global_mean_pool(x: jax.Array) -> jax.Array:
 
 
 def build_model(
-    name: str,
+    name: str | Callable[[nnx.Rngs], nnx.Module],
     *,
     width: int | None = None,
     rngs: nnx.Rngs,
-) -> nnx.Sequential:
-    """Builds one plain Flax model of the benchmark.
+) -> nnx.Module:
+    """Builds one plain Flax model of the benchmark, or the user's own.
+
+    A factory ``rngs -> nnx.Module`` (your model) is called as ``name(rngs)``
+    (``width`` does not apply). The benchmark's own:
 
     - ``"linear"``: ``nnx.Linear(width, width)``.
     - ``"mlp"``: ``width -> width -> width -> 10`` with ReLUs (three
@@ -60,16 +68,18 @@ def build_model(
     [(8, 8), (8, 8), (8, 10)]
 
     Args:
-      name: one of :data:`MODELS`.
+      name: one of :data:`MODELS`, or a factory ``rngs -> nnx.Module``.
       width: see above; ``None`` takes :data:`DEFAULT_WIDTHS` ``[name]``.
       rngs: rng keys for the parameters.
 
     Returns:
-      The model, an ``nnx.Sequential``.
+      The model (the benchmark's own are ``nnx.Sequential``).
 
     Raises:
-      ValueError: if ``name`` is not one of :data:`MODELS`.
+      ValueError: if ``name`` is not one of :data:`MODELS` nor callable.
     """
+    if callable(name):
+        return name(rngs)
     width = _width(name, width)
     if name == "linear":
         return nnx.Sequential(nnx.Linear(width, width, rngs=rngs))
@@ -94,33 +104,60 @@ def build_model(
 
 
 def model_inputs(
-    name: str,
+    name: str | Callable[[nnx.Rngs], nnx.Module],
     num_samples: int,
     *,
     width: int | None = None,
     image_size: int = DEFAULT_IMAGE_SIZE,
+    input_shape: Sequence[int] | None = None,
     seed: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Random inputs and integer class labels for ``build_model(name, ...)``.
 
+    For a factory, ``input_shape`` is one example's shape; the labels take the
+    shape of its outputs but the last axis (classes), read from an abstract
+    call of the model (nothing is computed).
+
+    >>> from flax import nnx
     >>> from ensembles.benchmark import model_inputs
     >>> x, labels = model_inputs("cnn", 6, width=4, image_size=8)
     >>> x.shape, labels.shape, str(labels.dtype)
     ((6, 8, 8, 3), (6,), 'int32')
+    >>> def tagger(rngs):                      # [N, T, 16] -> [N, T, 5]
+    ...     return nnx.Linear(16, 5, rngs=rngs)
+    >>> x, labels = model_inputs(tagger, 6, input_shape=(7, 16))
+    >>> x.shape, labels.shape
+    ((6, 7, 16), (6, 7))
 
     Args:
-      name: one of :data:`MODELS`.
+      name: one of :data:`MODELS`, or a factory ``rngs -> nnx.Module``.
       num_samples: the leading axis, e.g. ``E*B``.
       width: as in :func:`build_model`.
       image_size: height and width of the CNN's images (ignored otherwise).
+      input_shape: a factory's example shape (required for one; ignored for
+        the benchmark's own models).
       seed: numpy seed of the draw.
 
     Returns:
       ``(x, labels)``: standard-normal float32 ``x`` and labels in
       ``[0, outputs)``, where ``outputs`` is the model's last dimension.
+
+    Raises:
+      ValueError: if a factory comes without ``input_shape``.
     """
-    width = _width(name, width)
     rng = np.random.default_rng(seed)
+    if callable(name):
+        if input_shape is None:
+            raise ValueError(
+                "`input_shape` must give one example's shape for a model factory "
+                "(e.g. (32, 32, 3) for images): the benchmark draws its inputs."
+            )
+        shape = (num_samples, *(int(d) for d in input_shape))
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        out = jax.eval_shape(lambda x: name(nnx.Rngs(0))(x), x[:1])
+        labels = rng.integers(0, out.shape[-1], (num_samples, *out.shape[1:-1]))
+        return x, jnp.asarray(labels, jnp.int32)
+    width = _width(name, width)
     if name == "cnn":
         shape: tuple[int, ...] = (num_samples, image_size, image_size, 3)
     else:
@@ -129,6 +166,11 @@ def model_inputs(
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     labels = jnp.asarray(rng.integers(0, outputs, num_samples), jnp.int32)
     return x, labels
+
+
+def model_name(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:
+    """A model's name in tables: the name itself, or its factory's name."""
+    return name if isinstance(name, str) else getattr(name, "__name__", "model")
 
 
 def _width(name: str, width: int | None) -> int:

@@ -25,11 +25,13 @@ from ensembles.benchmark.quality_data import (
     load_quality_data,
 )
 from ensembles.benchmark.quality_methods import (
+    FINETUNE_FRACTION,
     QUALITY_METHODS,
     STEPS,
     Trained,
     train_method,
 )
+from ensembles.benchmark.quality_models import ModelSpec, check_model, model_name
 
 __all__ = ["METRICS", "evaluate", "run_quality", "summarize"]
 
@@ -97,7 +99,7 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
 
 def run_quality(
     *,
-    models: Sequence[str] = ("cnn",),
+    models: Sequence[ModelSpec] = ("cnn",),
     members: Sequence[int] = (4,),
     seeds: Sequence[int] = (0,),
     methods: Sequence[str] = QUALITY_METHODS,
@@ -119,14 +121,30 @@ def run_quality(
     >>> [level["severity"] for level in rows[1]["shift"]]
     [1, 2, 3, 4, 5]
 
+    Your own classifier and data: a factory ``rngs -> nnx.Module`` (rows are
+    named after it) and a :class:`QualityData` of your arrays:
+
+    >>> from flax import nnx
+    >>> def tiny(rngs):
+    ...     return nnx.Sequential(nnx.Linear(40, 10, rngs=rngs))
+    >>> rows = run_quality(models=[tiny], members=[2], steps=4, data=data,
+    ...                    methods=["single", "finetuned"])
+    >>> [(row["model"], row["method"], row["steps"]) for row in rows]
+    [('tiny', 'single', 4), ('tiny', 'finetuned', 1)]
+
     Args:
       models: names from
-        :data:`~ensembles.benchmark.quality_methods.QUALITY_MODELS`.
+        :data:`~ensembles.benchmark.quality_models.QUALITY_MODELS`, or
+        factories ``rngs -> nnx.Module`` of classifiers of ``data``'s
+        examples (``mc_dropout`` calls them with a ``dropout`` keyword too).
       members: ensemble sizes E.
       seeds: seeds of parameters, batches and dropout (the data are fixed).
       methods: names from
         :data:`~ensembles.benchmark.quality_methods.QUALITY_METHODS`.
-      steps: training steps of every method.
+      steps: training steps of every method; ``finetuned`` fine-tunes the
+        trained ``single`` model of the same seed (trained once, whether or
+        not ``single`` is in ``methods``) for ``FINETUNE_FRACTION`` of them,
+        and its row's ``steps`` counts only those.
       data: the data; ``None`` generates the standard sets
         (:func:`~ensembles.benchmark.quality_data.load_quality_data`).
       progress: called with a status line before each training, and with
@@ -136,53 +154,86 @@ def run_quality(
       One row (a dict) per model, E, seed and method: ``method``, ``model``,
       ``members``, ``seed``, ``steps``, ``params``, ``train_s`` and the
       measurements of :func:`evaluate`.
+
+    Raises:
+      ValueError: if ``mc_dropout`` is asked of a factory without a
+        ``dropout`` keyword (checked before anything trains).
     """
     show = progress or (lambda message: None)
     data = load_quality_data() if data is None else data
+    for model in models:  # refuse now, not after an hour of training
+        check_model(model, methods)
+    finetune_steps = max(1, int(steps * FINETUNE_FRACTION))
     rows: list[dict[str, Any]] = []
     total = len(models) * len(members) * len(seeds) * len(methods)
     index = 0
     # `single` does not depend on E: trained once per model and seed, its row
-    # repeated for every E.
-    singles: dict[tuple[str, int], dict[str, Any]] = {}
+    # repeated for every E, and its model the start of `finetuned`.
+    singles: dict[tuple[int, int], tuple[Trained, dict[str, Any]]] = {}
+
+    def single_of(model: ModelSpec, seed: int, where: str) -> tuple[Trained, dict]:
+        key = (id(model), seed)
+        if key not in singles:
+            show(f"{where}: training single ({steps} steps)")
+            trained = train_method(
+                "single",
+                model,
+                data.x_train,
+                data.y_train,
+                num_members=1,
+                steps=steps,
+                seed=seed,
+            )
+            singles[key] = (trained, _measure(trained, data))
+        return singles[key]
+
     for model in models:
+        name = model_name(model)
         for num_members in members:
             for seed in seeds:
                 for method in methods:
                     index += 1
-                    where = f"[{index}/{total}] {model} E={num_members} seed {seed}"
-                    if method == "single" and (model, seed) in singles:
-                        measured = singles[(model, seed)]
+                    where = f"[{index}/{total}] {name} E={num_members} seed {seed}"
+                    method_steps = steps
+                    if method == "single":
+                        measured = single_of(model, seed, where)[1]
                     else:
-                        show(f"{where}: training {method} ({steps} steps)")
+                        start = None
+                        if method == "finetuned":
+                            start = single_of(model, seed, where)[0].model
+                            method_steps = finetune_steps
+                        show(f"{where}: training {method} ({method_steps} steps)")
                         trained = train_method(
                             method,
                             model,
                             data.x_train,
                             data.y_train,
                             num_members=num_members,
-                            steps=steps,
+                            steps=method_steps,
                             seed=seed,
+                            start=start,
                         )
-                        measured = {
-                            "params": trained.params,
-                            "train_s": trained.train_s,
-                            **evaluate(trained, data),
-                        }
-                        if method == "single":
-                            singles[(model, seed)] = measured
+                        measured = _measure(trained, data)
                     rows.append(
                         {
                             "method": method,
-                            "model": model,
+                            "model": name,
                             "members": num_members,
                             "seed": seed,
-                            "steps": steps,
+                            "steps": method_steps,
                             **measured,
                         }
                     )
     show("")
     return rows
+
+
+def _measure(trained: Trained, data: QualityData) -> dict[str, Any]:
+    return {
+        "params": trained.params,
+        "train_s": trained.train_s,
+        **evaluate(trained, data),
+    }
 
 
 def _mean_std(values: list[float | None]) -> dict[str, float | None]:
@@ -216,7 +267,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       One dict per (model, E, method), in first-seen order, with ``seeds``
       (how many), ``params`` and, for ``train_s`` and every measurement,
       ``{"mean": m, "std": s}`` (sample standard deviation; 0 for one seed).
-      A ``gap_closed`` entry on ``batchensemble`` and ``rank1`` rows with a
+      A ``gap_closed`` entry on ``batchensemble``, ``rank1`` and ``finetuned``
+      rows with a
       single model and
       a deep ensemble beside them gives the fraction of the NLL gap from one
       model to the deep ensemble that it closes, in distribution and under
@@ -264,7 +316,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         summary.append(entry)
     by_key = {(e["model"], e["members"], e["method"]): e for e in summary}
     for entry in summary:
-        if entry["method"] not in ("batchensemble", "rank1"):
+        if entry["method"] not in ("batchensemble", "rank1", "finetuned"):
             continue
         single = by_key.get((entry["model"], entry["members"], "single"))
         deep = by_key.get((entry["model"], entry["members"], "deep_ensemble"))

@@ -63,6 +63,9 @@ class QualityData:
       shifted: ``{severity: {family: (x, y)}}`` for every severity in
         :data:`SEVERITIES` and family in :data:`SHIFTS`.
       ood: ``{"shuffled": x, "noise": x}``, sequences of no class.
+      name: the task the sets come from: ``"mnist1d"`` here; the other tasks
+        of :mod:`~ensembles.benchmark.quality_tasks` (whose arrays have other
+        shapes, shift families and out-of-distribution sets) name theirs.
     """
 
     x_train: np.ndarray
@@ -71,6 +74,7 @@ class QualityData:
     y_test: np.ndarray
     shifted: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]]
     ood: dict[str, np.ndarray]
+    name: str = "mnist1d"
 
 
 def _mnist1d() -> Any:

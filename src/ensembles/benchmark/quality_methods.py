@@ -1,7 +1,8 @@
 """The models and methods of the quality benchmark, and how each is trained.
 
-Every method trains the same plain Flax model (:func:`build_quality_model`)
-with the same optimizer, learning rate, batch size B and number of steps:
+Every method trains the same plain Flax model
+(:func:`~ensembles.benchmark.quality_models.build_model`) with the same
+optimizer, learning rate, batch size B and number of steps:
 
 - ``single``: one model, B examples per step;
 - ``batchensemble``: the model converted by :func:`ensembles.to_batch_ensemble`
@@ -18,6 +19,13 @@ with the same optimizer, learning rate, batch size B and number of steps:
   steps (uncertainty-baselines anneals over 200 of 250 epochs); predicted as
   uncertainty-baselines does (``num_eval_samples=1``): one draw of every
   member's fast weights per prediction, at BatchEnsemble's cost;
+- ``finetuned``: the trained ``single`` model of the same seed, converted by
+  :func:`ensembles.to_batch_ensemble` with fast weights drawn from
+  N(1, :data:`FINETUNE_INIT_STDDEV`) and fine-tuned by the recipe of
+  ``docs/converting.md``: every parameter trains (AdamW for the shared ones,
+  Adam for the fast weights), the learning rate decays from
+  :data:`LEARNING_RATE` to 0 along a cosine, each member sees B examples of
+  its own; :data:`FINETUNE_FRACTION` of the steps;
 - ``deep_ensemble``: E independently initialised models under ``nnx.vmap``,
   each on B examples of its own per step
   (:func:`ensembles.training.member_batches`);
@@ -26,7 +34,10 @@ with the same optimizer, learning rate, batch size B and number of steps:
   drawn at test time.
 
 Steps are jitted with the batch drawn on the device, so the timings count
-training, not data loading.
+training, not data loading. A model is a name of
+:data:`~ensembles.benchmark.quality_models.QUALITY_MODELS` or a
+factory ``rngs -> nnx.Module`` of the user's own (a classifier of the data's
+examples; for ``mc_dropout`` it must take a ``dropout`` keyword as well).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,30 +56,29 @@ from jax.nn.initializers import Initializer
 import ensembles
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles.benchmark.methods import _count
+from ensembles.benchmark.quality_models import ModelSpec, build_model
 
 __all__ = [
     "BATCH_SIZE",
     "DROPOUT_RATE",
     "FAST_LR_MULTIPLIER",
+    "FINETUNE_FRACTION",
+    "FINETUNE_INIT_STDDEV",
     "KL_ANNEALING",
     "LEARNING_RATE",
     "QUALITY_METHODS",
-    "QUALITY_MODELS",
     "STEPS",
     "WEIGHT_DECAY",
     "Trained",
-    "build_quality_model",
     "train_method",
 ]
-
-#: The ``--model`` choices of ``--quality``.
-QUALITY_MODELS: tuple[str, ...] = ("cnn", "mlp")
 
 #: The compared methods, in table order.
 QUALITY_METHODS: tuple[str, ...] = (
     "single",
     "batchensemble",
     "rank1",
+    "finetuned",
     "deep_ensemble",
     "mc_dropout",
 )
@@ -89,68 +100,11 @@ KL_ANNEALING: float = 0.8
 #: Dropout rate of ``mc_dropout``.
 DROPOUT_RATE: float = 0.1
 
-_NUM_CLASSES = 10
-_LENGTH = 40
+#: ``finetuned`` fine-tunes for this share of the steps the others train.
+FINETUNE_FRACTION: float = 0.25
 
-
-def _flatten(x: jax.Array) -> jax.Array:
-    return x.reshape(x.shape[0], -1)
-
-
-def _add_channel(x: jax.Array) -> jax.Array:
-    return x[..., None]
-
-
-def build_quality_model(
-    name: str, *, dropout: float = 0.0, rngs: nnx.Rngs
-) -> nnx.Sequential:
-    """One plain Flax classifier of ``[N, 40]`` MNIST-1D sequences.
-
-    - ``"cnn"``: three 1-D ``nnx.Conv`` of 32 channels (kernel 5, 3, 3;
-      stride 2 each) with ReLUs, flattened, an ``nnx.Linear`` head (10).
-    - ``"mlp"``: ``40 -> 256 -> 256 -> 10`` with ReLUs.
-
-    >>> from flax import nnx
-    >>> import jax.numpy as jnp
-    >>> from ensembles.benchmark.quality_methods import build_quality_model
-    >>> build_quality_model("cnn", rngs=nnx.Rngs(0))(jnp.ones((3, 40))).shape
-    (3, 10)
-
-    Args:
-      name: one of :data:`QUALITY_MODELS`.
-      dropout: if > 0, an ``nnx.Dropout`` of this rate after every hidden
-        layer's activation.
-      rngs: rng keys for the parameters (and the dropout masks).
-
-    Returns:
-      The model, an ``nnx.Sequential``.
-
-    Raises:
-      ValueError: if ``name`` is not one of :data:`QUALITY_MODELS`.
-    """
-    if name not in QUALITY_MODELS:
-        raise ValueError(f"`name` must be one of {list(QUALITY_MODELS)}, got {name!r}.")
-
-    def hidden(layer: nnx.Module) -> list:
-        drop = [nnx.Dropout(dropout, rngs=rngs)] if dropout else []
-        return [layer, nnx.relu, *drop]
-
-    if name == "cnn":
-        channels = 32
-        return nnx.Sequential(
-            _add_channel,
-            *hidden(nnx.Conv(1, channels, (5,), strides=2, rngs=rngs)),
-            *hidden(nnx.Conv(channels, channels, (3,), strides=2, rngs=rngs)),
-            *hidden(nnx.Conv(channels, channels, (3,), strides=2, rngs=rngs)),
-            _flatten,
-            nnx.Linear(channels * _LENGTH // 8, _NUM_CLASSES, rngs=rngs),
-        )
-    width = 256
-    return nnx.Sequential(
-        *hidden(nnx.Linear(_LENGTH, width, rngs=rngs)),
-        *hidden(nnx.Linear(width, width, rngs=rngs)),
-        nnx.Linear(width, _NUM_CLASSES, rngs=rngs),
-    )
+#: ``finetuned``'s fast weights start from N(1, this**2) (from scratch: 0.6).
+FINETUNE_INIT_STDDEV: float = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,23 +119,33 @@ class Trained:
       params: parameters of the whole method (all members).
       train_s: wall-clock seconds of all training steps, the first step's
         compilation included.
+      model: the trained model (what ``finetuned`` starts from).
     """
 
     method: str
     predict: Callable[[np.ndarray], jax.Array]
     params: int
     train_s: float
+    model: Any = None
 
 
-def _optimizer(model: nnx.Module, fast: float | None) -> nnx.Optimizer:
-    """AdamW; with a multiplier ``fast``, Adam for the fast weights (the recipe)."""
+def _optimizer(
+    model: nnx.Module, fast: float | None, decay_steps: int | None = None
+) -> nnx.Optimizer:
+    """AdamW; with a multiplier ``fast``, Adam for the fast weights (the recipe).
+
+    With ``decay_steps`` the learning rates decay to 0 along a cosine.
+    """
     import optax
 
-    shared = optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    def rate(scale: float) -> Any:
+        if decay_steps is None:
+            return scale * LEARNING_RATE
+        return optax.cosine_decay_schedule(scale * LEARNING_RATE, decay_steps)
+
+    shared = optax.adamw(rate(1.0), weight_decay=WEIGHT_DECAY)
     if fast is not None:
-        tx = ensembles.optim.split_fast_weights(
-            shared, optax.adam(fast * LEARNING_RATE)
-        )
+        tx = ensembles.optim.split_fast_weights(shared, optax.adam(rate(fast)))
     else:
         tx = shared
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -189,7 +153,7 @@ def _optimizer(model: nnx.Module, fast: float | None) -> nnx.Optimizer:
 
 def train_method(
     method: str,
-    model_name: str,
+    model: ModelSpec,
     x_train: np.ndarray,
     y_train: np.ndarray,
     *,
@@ -199,6 +163,7 @@ def train_method(
     fast_weight_init: Initializer | None = None,
     fast_lr_multiplier: float = FAST_LR_MULTIPLIER,
     tiled: bool = True,
+    start: nnx.Module | None = None,
 ) -> Trained:
     """Builds and trains one method; see the module docs for the recipes.
 
@@ -216,8 +181,9 @@ def train_method(
 
     Args:
       method: one of :data:`QUALITY_METHODS`.
-      model_name: one of :data:`QUALITY_MODELS`.
-      x_train: ``[N, 40]`` float32 training sequences.
+      model: a name of ``QUALITY_MODELS``, or a factory ``rngs ->
+        nnx.Module`` (:func:`~ensembles.benchmark.quality_models.build_model`).
+      x_train: ``[N, ...]`` float32 training examples.
       y_train: ``[N]`` integer labels.
       num_members: the ensemble size E (``single`` ignores it).
       steps: optimizer steps.
@@ -229,15 +195,26 @@ def train_method(
         weights'.
       tiled: every member sees the same B examples per step; ``False`` gives
         each its own B (:func:`ensembles.training.member_batches`).
+      start: ``finetuned`` only: the trained ``single`` model it starts from
+        (not changed).
 
     Returns:
       The :class:`Trained` method.
+
+    Raises:
+      ValueError: if ``method`` is unknown, or ``finetuned`` has no ``start``.
     """
     import optax
 
     if method not in QUALITY_METHODS:
         raise ValueError(
             f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
+        )
+    if (method == "finetuned") != (start is not None):
+        raise ValueError(
+            "`start` (the trained single model) must be given for method "
+            f"'finetuned' and only for it, got method={method!r} and "
+            f"start={type(start).__name__}."
         )
     E = check_num_members(num_members)
     steps = check_positive_int(steps, "steps")
@@ -261,14 +238,14 @@ def train_method(
         @nnx.split_rngs(splits=E)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return build_quality_model(model_name, rngs=rngs)
+            return build_model(model, rngs=rngs)
 
-        model = create(nnx.Rngs(params_key))
+        net = create(nnx.Rngs(params_key))
         members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
 
         def loss_fn(model, key, step):
             x, y = draw(key, E)  # B examples of its own per member
-            logits = members_logits(model, x.reshape(E, batch, -1))
+            logits = members_logits(model, x.reshape(E, batch, *x.shape[1:]))
             return ensembles.training.cross_entropy(
                 logits.reshape(E * batch, -1), y, num_members=E
             )
@@ -285,8 +262,8 @@ def train_method(
                 "s_init": fast_weight_init,
             }
         )
-        model = ensembles.to_batch_ensemble(
-            build_quality_model(model_name, rngs=nnx.Rngs(params_key)),
+        net = ensembles.to_batch_ensemble(
+            build_model(model, rngs=nnx.Rngs(params_key)),
             num_members=E,
             rngs=nnx.Rngs(fast_key),
             posterior="gaussian" if method == "rank1" else None,
@@ -311,11 +288,22 @@ def train_method(
         def predict_fn(model, x):
             return ensembles.untile(model(ensembles.tile(x, E)), E)
 
+    elif method == "finetuned":
+        init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
+        net = ensembles.to_batch_ensemble(
+            start, num_members=E, rngs=nnx.Rngs(fast_key), r_init=init, s_init=init
+        )
+
+        def loss_fn(model, key, step):
+            x, y = draw(key, E)  # B examples of its own per member
+            return ensembles.training.cross_entropy(model(x), y, num_members=E)
+
+        def predict_fn(model, x):
+            return ensembles.untile(model(ensembles.tile(x, E)), E)
+
     else:
         dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
-        model = build_quality_model(
-            model_name, dropout=dropout, rngs=nnx.Rngs(params_key)
-        )
+        net = build_model(model, dropout=dropout, rngs=nnx.Rngs(params_key))
 
         def loss_fn(model, key, step):
             x, y = draw(key, 1)
@@ -332,8 +320,11 @@ def train_method(
             def predict_fn(model, x):
                 return model(x)[None]
 
-    fast = fast_lr_multiplier if method in ("batchensemble", "rank1") else None
-    optimizer = _optimizer(model, fast)
+    if method == "finetuned":  # every parameter at the full, decaying rate
+        optimizer = _optimizer(net, 1.0, decay_steps=steps)
+    else:
+        fast = fast_lr_multiplier if method in ("batchensemble", "rank1") else None
+        optimizer = _optimizer(net, fast)
 
     @nnx.jit
     def train_step(model, optimizer, key, step):
@@ -343,16 +334,18 @@ def train_method(
 
     keys = jax.random.split(batches_key, steps)
     start = time.perf_counter()
+    began = time.perf_counter()
     for step in range(steps):
-        loss = train_step(model, optimizer, keys[step], jnp.asarray(step))
+        loss = train_step(net, optimizer, keys[step], jnp.asarray(step))
     jax.block_until_ready(loss)
-    train_s = time.perf_counter() - start
+    train_s = time.perf_counter() - began
     if method not in ("mc_dropout", "rank1"):
-        model.eval()  # mc_dropout keeps its masks, rank1 its draws
+        net.eval()  # mc_dropout keeps its masks, rank1 its draws
     predict = nnx.jit(predict_fn)
     return Trained(
         method=method,
-        predict=lambda x: predict(model, jnp.asarray(x)),
-        params=_count(nnx.state(model, nnx.Param))[0],
+        predict=lambda x: predict(net, jnp.asarray(x)),
+        params=_count(nnx.state(net, nnx.Param))[0],
         train_s=train_s,
+        model=net,
     )

@@ -40,7 +40,8 @@ _COLUMNS = (
     "ms",
     "spread",
     "samples/s",
-    "x single",
+    "x 1 on E*B",
+    "x 1 on B",
     "vs deep",
     "params",
     "/deep",
@@ -58,6 +59,7 @@ def _cells(row: dict[str, Any]) -> tuple[str, ...]:
         f"±{100 * spread:.0f}%",
         _count(row["samples_per_s"]),
         f"{row['ratio_to_single']:.2f}",
+        f"{row['ratio_to_single_b']:.2f}",
         f"{row['speedup_vs_best_deep_ensemble']:.2f}x",
         _count(row["params"]),
         f"{100 * row['params_ratio_to_deep_ensemble']:.0f}%",
@@ -76,7 +78,8 @@ def _groups(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
 
 def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
     model, mode, batch, width, impl = key
-    title = f"{model} {mode}: B={batch} per member, width {width}, impl={impl}"
+    shape = "" if width is None else f", width {width}"
+    title = f"{model} {mode}: B={batch} per member{shape}, impl={impl}"
     if group:
         best = {row["members"]: row["best_deep_ensemble"] for row in group}
         named = ", ".join(
@@ -252,12 +255,19 @@ def _write_json(
       rows: the rows (``"results"``).
       path: the JSON file to write.
       device: :func:`_describe_device`'s description.
-      config: the command's options (tuples are written as lists).
+      config: the command's options (tuples are written as lists, model
+        factories as ``"module:name"``).
       summary: written as ``"summary"`` if given (``--quality``: means and
         standard deviations over seeds).
     """
+
+    def plain(value: Any) -> Any:  # a user's factory is written by its name
+        if callable(value):
+            return f"{value.__module__}:{getattr(value, '__name__', value)}"
+        return value
+
     config = {
-        key: list(value) if isinstance(value, tuple) else value
+        key: [plain(v) for v in value] if isinstance(value, tuple) else plain(value)
         for key, value in config.items()
     }
     result = {

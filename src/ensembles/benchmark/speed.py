@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ensembles.benchmark.methods import METHODS, MODES, prepare_method
-from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS
+from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model_name
 from ensembles.benchmark.timing import interleaved_times, median, quartiles
 
 __all__ = ["run_benchmark"]
@@ -18,20 +18,21 @@ __all__ = ["run_benchmark"]
 
 def run_benchmark(
     *,
-    models: Sequence[str] = ("mlp",),
+    models: Sequence[str | Callable[..., Any]] = ("mlp",),
     modes: Sequence[str] = MODES,
     members: Sequence[int] = (1, 2, 4, 8),
     batch: int = 128,
     width: int | None = None,
     image_size: int = DEFAULT_IMAGE_SIZE,
-    impl: str = "auto",
+    input_shape: Sequence[int] | None = None,
+    impl: str = "xla",
     repeats: int = 10,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Times every method for every model, mode and E; returns one row each.
 
-    The five methods of one (model, mode, E) are compiled, then timed in
+    The six methods of one (model, mode, E) are compiled, then timed in
     interleaved rounds (2 untimed warm-up calls each). Every ratio is a ratio
     of the printed medians; "the deep ensemble" of the ratios is the faster of
     ``deep_ensemble`` (vmap) and ``deep_ensemble_loop``.
@@ -39,18 +40,33 @@ def run_benchmark(
     >>> from ensembles.benchmark import run_benchmark
     >>> rows = run_benchmark(models=["linear"], modes=["forward"], members=[2],
     ...                      batch=2, width=4, repeats=2)
-    >>> [row["method"] for row in rows]
-    ['single', 'batchensemble', 'rank1', 'deep_ensemble', 'deep_ensemble_loop']
-    >>> rows[3]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
+    >>> [row["method"] for row in rows]  # doctest: +NORMALIZE_WHITESPACE
+    ['single', 'single_b', 'batchensemble', 'rank1', 'deep_ensemble',
+     'deep_ensemble_loop']
+    >>> rows[4]["params"] == 2 * rows[0]["params"], rows[0]["ratio_to_single"]
     (True, 1.0)
 
+    Your own model: a factory ``rngs -> nnx.Module`` and one example's shape
+    (train: softmax cross-entropy over its outputs' last axis):
+
+    >>> from flax import nnx
+    >>> def my_mlp(rngs):
+    ...     return nnx.Sequential(nnx.Linear(6, 8, rngs=rngs), nnx.relu,
+    ...                           nnx.Linear(8, 3, rngs=rngs))
+    >>> rows = run_benchmark(models=[my_mlp], input_shape=(6,), modes=["train"],
+    ...                      members=[2], batch=4, repeats=2)
+    >>> rows[0]["model"], rows[2]["method"], rows[2]["samples"]
+    ('my_mlp', 'batchensemble', 8)
+
     Args:
-      models: names from :data:`~ensembles.benchmark.MODELS`.
+      models: names from :data:`~ensembles.benchmark.MODELS`, or factories
+        ``rngs -> nnx.Module`` of your own models.
       modes: names from :data:`~ensembles.benchmark.MODES`.
       members: ensemble sizes E.
       batch: samples per member B.
       width: see :func:`~ensembles.benchmark.build_model`.
       image_size: the CNN's image height and width.
+      input_shape: one example's shape, for the factories in ``models``.
       impl: the BatchEnsemble op implementation.
       repeats: timed rounds.
       seed: seed of parameters and data.
@@ -60,7 +76,9 @@ def run_benchmark(
     Returns:
       Rows (dicts) with the method, the configuration, times (``median_s``,
       ``q1_s``, ``q3_s``, ``times_s``), ``samples_per_s``, ratios of medians
-      (``ratio_to_single``; ``speedup_vs_deep_ensemble`` and
+      (``ratio_to_single``, over one model on the same ``E*B`` rows;
+      ``ratio_to_single_b``, over one model on ``B`` rows, what a prediction
+      costs without an ensemble; ``speedup_vs_deep_ensemble`` and
       ``speedup_vs_deep_ensemble_loop``; ``speedup_vs_best_deep_ensemble``
       over the faster of the two, named in ``best_deep_ensemble``),
       ``params``, ``param_bytes`` and XLA's memory analysis
@@ -72,7 +90,8 @@ def run_benchmark(
     rows: list[dict[str, Any]] = []
     groups = [(m, d, e) for m in models for d in modes for e in members]
     for index, (model, mode, num_members) in enumerate(groups, 1):
-        where = f"[{index}/{len(groups)}] {model} {mode} E={num_members}"
+        name = model_name(model)
+        where = f"[{index}/{len(groups)}] {name} {mode} E={num_members}"
         prepared = {}
         for method in METHODS:
             show(f"{where}: compiling {method}")
@@ -84,6 +103,7 @@ def run_benchmark(
                 batch=batch,
                 width=width,
                 image_size=image_size,
+                input_shape=input_shape,
                 impl=impl,
                 seed=seed,
             )
@@ -100,18 +120,28 @@ def run_benchmark(
             rows.append(
                 {
                     "method": method,
-                    "model": model,
+                    "model": name,
                     "mode": mode,
                     "members": num_members,
                     "batch": batch,
-                    "width": DEFAULT_WIDTHS[model] if width is None else width,
+                    "width": (
+                        None
+                        if not isinstance(model, str)
+                        else DEFAULT_WIDTHS[model]
+                        if width is None
+                        else width
+                    ),
                     "impl": impl,
-                    "samples": num_members * batch,
+                    "samples": batch if method == "single_b" else num_members * batch,
                     "median_s": median_s,
                     "q1_s": q1,
                     "q3_s": q3,
-                    "samples_per_s": num_members * batch / median_s,
+                    "samples_per_s": (
+                        batch if method == "single_b" else num_members * batch
+                    )
+                    / median_s,
                     "ratio_to_single": median_s / medians["single"],
+                    "ratio_to_single_b": median_s / medians["single_b"],
                     "speedup_vs_deep_ensemble": medians["deep_ensemble"] / median_s,
                     "speedup_vs_deep_ensemble_loop": (
                         medians["deep_ensemble_loop"] / median_s

@@ -24,7 +24,7 @@ from flax import nnx
 from ensembles._checks import check_choice
 from ensembles.layers.posterior import check_deterministic
 from ensembles.layers.stacking import layer_axes, reference_parameter
-from ensembles.ops.plan import IMPLS
+from ensembles.ops.dense import IMPLS
 from ensembles.ops.posterior import sample_fast_weights
 
 __all__ = [
@@ -215,7 +215,7 @@ class BatchEnsembleModule(EnsembleModule):
           member: if an int ``k``, the layer runs member ``k`` alone on an
             un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
             effective weights would. ``None`` leaves the view unchanged.
-          impl: the op implementation, e.g. ``"xla"`` or ``"pallas"``; a
+          impl: the op implementation, ``"xla"`` or ``"pallas"``; a
             layer whose op does not have it (``"pallas"`` on a convolution)
             keeps its own, so that ``nnx.view(model, impl=...)`` sets it in
             every layer that supports it and leaves the rest (use ``only=`` to

@@ -13,7 +13,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_choice, check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -42,7 +42,8 @@ from ensembles.layers.posterior import (
 )
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
-from ensembles.ops import conv, plan
+from ensembles.ops import conv, conv_options
+from ensembles.ops.autodiff import static_precision
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleConv"]
@@ -93,7 +94,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
       padding: ``'SAME'``, ``'SAME_LOWER'``, ``'VALID'`` (any case),
         ``'CIRCULAR'``, ``'REFLECT'``, ``'CAUSAL'`` (1-D only), an int, or one
         int or ``(low, high)`` pair per spatial dimension, as for ``nnx.Conv``;
-        checked here (:func:`ensembles.ops.conv.check_padding`): with an
+        checked here and held in canonical form
+        (:func:`ensembles.ops.conv_options.check_padding`): with an
         ``input_dilation`` above 1 only explicit pairs, as lax defines.
       input_dilation: an int or one int per spatial dimension (default: 1).
       kernel_dilation: an int or one int per spatial dimension (default: 1).
@@ -115,7 +117,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the convolution.
-      impl: the op implementation, ``"auto"`` or ``"xla"``; see
+      impl: the op implementation, ``"xla"`` (the one); see
         :func:`ensembles.ops.batch_ensemble_conv`.
       posterior: ``None`` (point fast weights: BatchEnsemble) or
         ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
@@ -140,7 +142,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
     layer always computes with ``jax.lax.conv_general_dilated``.
     """
 
-    _impls = plan.CONV_IMPLS
+    _impls = conv.IMPLS
 
     def __init__(
         self,
@@ -165,7 +167,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -178,14 +180,19 @@ class BatchEnsembleConv(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        kernel_size = conv.check_kernel_size(kernel_size)
+        # The options are checked here, once, and held in the canonical form
+        # the op takes (a padding of 1 as ((1, 1), (1, 1)), "same" as "SAME").
+        kernel_size = conv_options.check_kernel_size(kernel_size)
         rank = len(kernel_size)
-        conv.spatial_tuple(strides, "strides", rank)
-        conv.spatial_tuple(kernel_dilation, "kernel_dilation", rank)
-        conv.check_padding(
-            padding,
-            rank,
-            input_dilation=conv.spatial_tuple(input_dilation, "input_dilation", rank),
+        strides = conv_options.spatial_tuple(strides, "strides", rank)
+        kernel_dilation = conv_options.spatial_tuple(
+            kernel_dilation, "kernel_dilation", rank
+        )
+        input_dilation = conv_options.spatial_tuple(
+            input_dilation, "input_dilation", rank
+        )
+        padding = conv_options.check_padding(
+            padding, rank, input_dilation=input_dilation
         )
         feature_group_count = check_positive_int(
             feature_group_count, "feature_group_count"
@@ -197,8 +204,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
                 f"(={out_features})."
             )
         kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
-        conv.check_mask(mask, kernel_shape)
-        impl = plan.check_impl(impl, plan.CONV_IMPLS)
+        conv_options.check_mask(mask, kernel_shape)
+        impl = check_choice(impl, "impl", conv.IMPLS)
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
@@ -285,7 +292,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
         r_init: Initializer = default_fast_weight_init,
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -471,20 +478,16 @@ class BatchEnsembleConv(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        outputs = conv.batch_ensemble_conv(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
+        config = conv.ConvConfig(
             strides=self.strides,
-            padding=self.padding,
+            padding=None,
             input_dilation=self.input_dilation,
             kernel_dilation=self.kernel_dilation,
             feature_group_count=self.feature_group_count,
-            precision=self.precision,
+            precision=static_precision(self.precision),
             preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
+        )
+        outputs = conv.conv_rows(
+            inputs, kernel, r, s, bias, config, self.padding, num_members=num_members
         )
         return shard_output(outputs, out_sharding)

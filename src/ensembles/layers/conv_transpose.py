@@ -12,7 +12,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_choice, check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -40,7 +40,7 @@ from ensembles.layers.posterior import (
     posterior_stream,
 )
 from ensembles.layers.stacking import over_layer_axes
-from ensembles.ops import conv, conv_transpose, plan
+from ensembles.ops import conv, conv_options, conv_transpose
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleConvTranspose"]
@@ -111,7 +111,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the convolution.
-      impl: the op implementation, ``"auto"`` or ``"xla"``.
+      impl: the op implementation, ``"xla"`` (the one).
       posterior: ``None`` (point fast weights: BatchEnsemble) or
         ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
         and ``s`` the posterior means (see ``docs/rank1.md``).
@@ -132,7 +132,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = plan.CONV_IMPLS
+    _impls = conv_transpose.IMPLS
 
     def __init__(
         self,
@@ -156,7 +156,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         transpose_kernel: bool = False,
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -169,17 +169,22 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        kernel_size = conv.check_kernel_size(kernel_size)
-        conv.spatial_tuple(strides, "strides", len(kernel_size))
-        conv.spatial_tuple(kernel_dilation, "kernel_dilation", len(kernel_size))
-        conv.check_padding(padding, len(kernel_size), transpose=True)
+        # The options are checked here, once, and held in the canonical form
+        # the op takes.
+        kernel_size = conv_options.check_kernel_size(kernel_size)
+        rank = len(kernel_size)
+        strides = conv_options.spatial_tuple(strides, "strides", rank)
+        kernel_dilation = conv_options.spatial_tuple(
+            kernel_dilation, "kernel_dilation", rank
+        )
+        padding = conv_options.check_padding(padding, rank, transpose=True)
         if transpose_kernel:
             channels = (out_features, in_features)
         else:
             channels = (in_features, out_features)
         kernel_shape = (*kernel_size, *channels)
-        conv.check_mask(mask, kernel_shape)
-        impl = plan.check_impl(impl, plan.CONV_IMPLS)
+        conv_options.check_mask(mask, kernel_shape)
+        impl = check_choice(impl, "impl", conv_transpose.IMPLS)
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
@@ -265,7 +270,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         r_init: Initializer = default_fast_weight_init,
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -428,7 +433,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        return conv_transpose.batch_ensemble_conv_transpose(
+        return conv_transpose.conv_transpose_rows(
             inputs,
             kernel,
             r,
@@ -441,5 +446,4 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             transpose_kernel=self.transpose_kernel,
             precision=self.precision,
             preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
         )

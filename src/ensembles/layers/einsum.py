@@ -12,7 +12,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_choice, check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -41,7 +41,7 @@ from ensembles.layers.posterior import (
 )
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
-from ensembles.ops import einsum, plan
+from ensembles.ops import dense, einsum
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleEinsum"]
@@ -115,7 +115,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the contraction.
-      impl: the dense op implementation: ``"auto"``, ``"xla"`` or
+      impl: the dense op implementation: ``"xla"`` (the default) or
         ``"pallas"``; see :func:`ensembles.ops.batch_ensemble_einsum`.
       posterior: ``None`` (point fast weights: BatchEnsemble) or
         ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
@@ -140,7 +140,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
     computes with ``jnp.einsum``'s semantics.
     """
 
-    _impls = plan.IMPLS
+    _impls = dense.IMPLS
 
     def __init__(
         self,
@@ -158,7 +158,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -174,7 +174,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             bias_shape = _shape(bias_shape, "bias_shape")
         r_shape, s_shape = einsum.fast_weight_shapes(einsum_str, kernel_shape)
         einsum_str = einsum_str.replace(" ", "")
-        impl = plan.check_impl(impl)
+        impl = check_choice(impl, "impl", dense.IMPLS)
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
@@ -253,7 +253,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         r_init: Initializer = default_fast_weight_init,
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,

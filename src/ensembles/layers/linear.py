@@ -13,7 +13,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_choice, check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -42,7 +42,7 @@ from ensembles.layers.posterior import (
 )
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
-from ensembles.ops import dense, plan
+from ensembles.ops import dense
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinear"]
@@ -99,8 +99,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the matmul, see
         ``jax.lax.dot_general``.
-      impl: the op implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (the
-        fused GPU/TPU kernel); see :func:`ensembles.ops.batch_ensemble_dense`.
+      impl: the op implementation: ``"xla"`` (the default) or ``"pallas"`` (the
+        fused GPU/TPU kernel, opt-in); see
+        :func:`ensembles.ops.batch_ensemble_dense`.
       posterior: ``None`` (point fast weights: BatchEnsemble) or
         ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
         and ``s`` the posterior means (see ``docs/rank1.md``).
@@ -121,7 +122,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = plan.IMPLS
+    _impls = dense.IMPLS
 
     def __init__(
         self,
@@ -139,7 +140,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         s_init: Initializer = default_fast_weight_init,
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -152,7 +153,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
     ):
         in_features = check_positive_int(in_features, "in_features")
         out_features = check_positive_int(out_features, "out_features")
-        impl = plan.check_impl(impl)
+        impl = check_choice(impl, "impl", dense.IMPLS)
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
@@ -231,7 +232,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         r_init: Initializer = default_fast_weight_init,
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,

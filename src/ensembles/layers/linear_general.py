@@ -15,7 +15,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_choice, check_num_members, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -45,7 +45,7 @@ from ensembles.layers.posterior import (
 )
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
-from ensembles.ops import dense_general, plan
+from ensembles.ops import dense, dense_general
 from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinearGeneral"]
@@ -150,8 +150,8 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
       preferred_element_type: accumulation/output dtype of the contraction.
-      impl: the dense op implementation, ``"auto"`` or ``"xla"``; see
-        :func:`ensembles.ops.batch_ensemble_dense`.
+      impl: the dense op implementation: ``"xla"`` (the default) or
+        ``"pallas"``; see :func:`ensembles.ops.batch_ensemble_dense`.
       posterior: ``None`` (point fast weights: BatchEnsemble) or
         ``"gaussian"`` / ``"cauchy"``: rank-1 Bayesian fast weights, ``r``
         and ``s`` the posterior means (see ``docs/rank1.md``).
@@ -172,7 +172,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = plan.IMPLS
+    _impls = dense.IMPLS
 
     def __init__(
         self,
@@ -192,7 +192,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         precision: PrecisionLike = None,
         promote_dtype: PromoteDtypeFn = dtypes.promote_dtype,
         preferred_element_type: Dtype | None = None,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,
@@ -233,7 +233,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 f"(={dict(batch_axis)})."
             )
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
-        impl = plan.check_impl(impl)
+        impl = check_choice(impl, "impl", dense.IMPLS)
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
@@ -316,7 +316,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         r_init: Initializer = default_fast_weight_init,
         s_init: Initializer = default_fast_weight_init,
         share_kernel: bool = False,
-        impl: str = "auto",
+        impl: str = "xla",
         posterior: str | None = None,
         prior_stddev: float = DEFAULT_PRIOR_STDDEV,
         stddev_init: Initializer = default_stddev_init,

@@ -1,8 +1,17 @@
-"""Functional BatchEnsemble kernels; they know nothing of ``nnx``."""
+"""Functional BatchEnsemble kernels; they know nothing of ``nnx``.
 
+Each op validates its arguments and then runs its ``jnp`` formulation
+(``impl="xla"``, the default on every backend), in the
+:class:`Formulation` its own measured rule picks for the operands that are
+differentiated (``docs/cost.md``). The dense-like ops also take
+``impl="pallas"``: the fused kernels of :mod:`ensembles.experimental.pallas`,
+imported only when named.
+"""
+
+from ensembles.ops.autodiff import Formulation
 from ensembles.ops.conv import batch_ensemble_conv
 from ensembles.ops.conv_transpose import batch_ensemble_conv_transpose
-from ensembles.ops.dense import batch_ensemble_dense
+from ensembles.ops.dense import IMPLS, batch_ensemble_dense
 from ensembles.ops.dense_general import batch_ensemble_dense_general
 from ensembles.ops.einsum import batch_ensemble_einsum
 from ensembles.ops.normalization import (
@@ -11,12 +20,10 @@ from ensembles.ops.normalization import (
     ensemble_layer_norm,
     ensemble_rms_norm,
 )
-from ensembles.ops.pallas import BlockSizes
-from ensembles.ops.plan import IMPLS, resolve_impl
 
 __all__ = [
     "IMPLS",
-    "BlockSizes",
+    "Formulation",
     "batch_ensemble_conv",
     "batch_ensemble_conv_transpose",
     "batch_ensemble_dense",
@@ -26,5 +33,4 @@ __all__ = [
     "ensemble_batch_statistics",
     "ensemble_layer_norm",
     "ensemble_rms_norm",
-    "resolve_impl",
 ]

@@ -36,7 +36,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
+    "BACKWARDS",
+    "FORWARDS",
     "IMPLEMENTATIONS",
+    "Formulation",
     "Needs",
     "Rules",
     "accumulation_dtype",
@@ -44,9 +47,18 @@ __all__ = [
     "static_precision",
 ]
 
-#: The backward formulations: plain differentiation's math (``"activations"``)
-#: or the per-member kernel gradients ``M_k`` (``"kernels"``).
-PARAM_GRADIENTS: tuple[str, ...] = ("activations", "kernels")
+#: How the dense and convolution ops compute their output: ``"scale"`` the
+#: activations around one shared matmul (convolution), or ``"fold"`` each
+#: member's ``W * (r_k (x) s_k)`` into a kernel of its own.
+FORWARDS: tuple[str, ...] = ("scale", "fold")
+
+#: How they form the gradients of ``W``, ``r`` and ``s``: through the
+#: ``"scaled_activations"`` (plain differentiation's math: ``dW`` from ``x * r``
+#: and ``g * s``, ``dr`` from the input gradient), or from the
+#: ``"member_kernels"``, each member's own kernel gradient ``M_k = x_k^T g_k``,
+#: reduced to ``dW``, ``dr`` and ``ds`` (no input-gradient matmul for a layer
+#: whose inputs need none).
+BACKWARDS: tuple[str, ...] = ("scaled_activations", "member_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +82,63 @@ class Needs:
     def flags(self) -> tuple[bool, bool, bool, bool]:
         """``(inputs, kernel, r, s)``."""
         return (self.inputs, self.kernel, self.r, self.s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Formulation:
+    """How a dense or convolution op computes its output and its gradients.
+
+    Each op picks one per call from its own measured rule
+    (:func:`ensembles.ops.dense.choose_dense`,
+    :func:`ensembles.ops.conv.choose_conv`); ``formulation=`` on
+    :func:`~ensembles.ops.batch_ensemble_dense` and
+    :func:`~ensembles.ops.batch_ensemble_conv` forces one (tests, benchmarks).
+
+    >>> Formulation("fold", "member_kernels").forward
+    'fold'
+
+    Attributes:
+      forward: one of :data:`FORWARDS`.
+      backward: one of :data:`BACKWARDS` (irrelevant when no parameter is
+        differentiated).
+    """
+
+    forward: str = "scale"
+    backward: str = "scaled_activations"
+
+    def __post_init__(self):
+        if self.forward not in FORWARDS:
+            raise ValueError(
+                f"`forward` must be one of {FORWARDS}, got {self.forward!r}."
+            )
+        if self.backward not in BACKWARDS:
+            raise ValueError(
+                f"`backward` must be one of {BACKWARDS}, got {self.backward!r}."
+            )
+
+    def runnable(self, needs: Needs, *operands: jax.Array) -> Formulation:
+        """This formulation as it can run: ``"scale"`` where ``"fold"`` cannot.
+
+        ``"fold"`` cannot run on operands of mixed dtypes, nor with a
+        ``"scaled_activations"`` backward that differentiates ``s`` (its
+        ``ds`` reads the ``"scale"`` forward's unscaled product).
+
+        >>> import jax.numpy as jnp
+        >>> Formulation("fold").runnable(Needs(s=True), jnp.ones(2))
+        Formulation(forward='scale', backward='scaled_activations')
+
+        Args:
+          needs: which operands are differentiated.
+          *operands: the op's arrays (inputs, kernel, r, s).
+
+        Returns:
+          The formulation that runs.
+        """
+        mixed = len({jnp.dtype(a.dtype) for a in operands}) > 1
+        blocked = self.backward == "scaled_activations" and needs.s
+        if self.forward == "fold" and (mixed or blocked):
+            return Formulation("scale", self.backward)
+        return self
 
 
 def accumulation_dtype(*operands, preferred_element_type=None) -> jnp.dtype:

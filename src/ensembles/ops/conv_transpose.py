@@ -14,37 +14,31 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_num_members
-from ensembles.ops.conv import (
+from ensembles._checks import check_choice, check_num_members
+from ensembles.members import per_row
+from ensembles.ops.conv_options import (
     IntOrSequence,
     PaddingLike,
     check_padding,
     check_shapes,
     flatten_batch,
-    from_members,
     spatial_tuple,
 )
-from ensembles.ops.plan import CONV_IMPLS, check_impl
 
-__all__ = ["batch_ensemble_conv_transpose"]
+#: What ``impl`` may name for the transposed convolution: the ``jnp`` formulation.
+IMPLS: tuple[str, ...] = ("xla",)
 
-
-def _to_members(inputs, r, rank):
-    """Flattens batch axes to one and scales input channels by ``r``."""
-    num_members, in_features = r.shape
-    x = flatten_batch(inputs, rank)
-    x = x.reshape(num_members, -1, *x.shape[1:])
-    x = x * r.reshape(num_members, *(1,) * (rank + 1), in_features)
-    return x.reshape(-1, *x.shape[2:])
+__all__ = ["IMPLS", "batch_ensemble_conv_transpose", "conv_transpose_rows"]
 
 
-def _conv_transpose_xla(
+def conv_transpose_rows(
     inputs,
     kernel,
     r,
     s,
     bias,
     *,
+    num_members,
     strides,
     padding,
     kernel_dilation,
@@ -52,9 +46,37 @@ def _conv_transpose_xla(
     precision,
     preferred_element_type,
 ):
-    rank = kernel.ndim - 2
+    """The transposed convolution of already-checked operands and options.
+
+    What :func:`batch_ensemble_conv_transpose` runs after its checks, and what
+    the layer calls with the options it checked at construction: ``r`` and
+    ``s`` (and the bias) applied as per-row vectors
+    (:func:`ensembles.members.per_row`) around one ``lax.conv_transpose``.
+    Plain differentiation gives its gradients. The arrays' shapes are checked
+    here (a ``ValueError`` says which does not fit).
+    """
+    if kernel.ndim >= 2:
+        in_features, out_features = kernel.shape[-2:]
+        if transpose_kernel:
+            in_features, out_features = out_features, in_features
+    else:
+        in_features = out_features = -1
+    rank = check_shapes(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        num_members,
+        in_features,
+        out_features,
+        "`kernel.shape[-1]` with `transpose_kernel=True`"
+        if transpose_kernel
+        else "`kernel.shape[-2]`",
+    )
     batch_shape = inputs.shape[: -rank - 1]
-    x = _to_members(inputs, r, rank)
+    x = flatten_batch(inputs, rank)
+    x = x * per_row(r, x.shape[0], x.ndim)
     y = lax.conv_transpose(
         x,
         kernel,
@@ -80,7 +102,10 @@ def _conv_transpose_xla(
         for axis, period in enumerate(periods, start=1):
             y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
             y = y.sum(axis=axis)
-    return from_members(y, s, bias, batch_shape)
+    y = y * per_row(s, y.shape[0], y.ndim)
+    if bias is not None:
+        y = y + per_row(bias, y.shape[0], y.ndim)
+    return y.reshape(*batch_shape, *y.shape[1:])
 
 
 def batch_ensemble_conv_transpose(
@@ -97,7 +122,7 @@ def batch_ensemble_conv_transpose(
     transpose_kernel: bool = False,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
-    impl: str = "auto",
+    impl: str = "xla",
 ) -> jax.Array:
     """Applies a BatchEnsemble transposed convolution to a member-major batch.
 
@@ -141,7 +166,7 @@ def batch_ensemble_conv_transpose(
         axes of the kernel, as ``jax.lax.conv_transpose`` does.
       precision: convolution precision, as for ``jax.lax.conv_transpose``.
       preferred_element_type: accumulation/output dtype of the convolution.
-      impl: ``"xla"`` (the ``jnp`` formulation) or ``"auto"`` (``"xla"``).
+      impl: ``"xla"``, the one implementation.
 
     Returns:
       The ``[E*B, ..., *out_spatial, out_features]`` outputs.
@@ -152,37 +177,24 @@ def batch_ensemble_conv_transpose(
       TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)
-    check_impl(impl, CONV_IMPLS)  # "xla" is the one implementation
+    check_choice(impl, "impl", IMPLS)
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
-    if kernel.ndim >= 2:
-        in_features, out_features = kernel.shape[-2:]
-        if transpose_kernel:
-            in_features, out_features = out_features, in_features
-    else:
-        in_features = out_features = -1
-    rank = check_shapes(
+    if kernel.ndim < 3:
+        raise ValueError(
+            f"`kernel` must have shape [*kernel_size, in, out] with at least one "
+            f"spatial dimension, got shape {kernel.shape}."
+        )
+    rank = kernel.ndim - 2
+    return conv_transpose_rows(
         inputs,
         kernel,
         r,
         s,
         bias,
-        num_members,
-        in_features,
-        out_features,
-        "`kernel.shape[-1]` with `transpose_kernel=True`"
-        if transpose_kernel
-        else "`kernel.shape[-2]`",
-    )
-    padding = check_padding(padding, rank, transpose=True)
-    return _conv_transpose_xla(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
+        num_members=num_members,
         strides=spatial_tuple(strides, "strides", rank),
-        padding=padding,
+        padding=check_padding(padding, rank, transpose=True),
         kernel_dilation=spatial_tuple(kernel_dilation, "kernel_dilation", rank),
         transpose_kernel=bool(transpose_kernel),
         precision=precision,

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from ensembles._checks import (
+    check_choice,
     check_member_batch,
     check_member_params,
     check_num_members,
 )
 from ensembles.ops import dense
-from ensembles.ops.plan import check_impl
 
 __all__ = ["batch_ensemble_dense_general", "normalize_axes"]
 
@@ -208,7 +208,7 @@ def batch_ensemble_dense_general(
     num_batch_axes: int = 0,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
-    impl: str = "auto",
+    impl: str = "xla",
 ) -> jax.Array:
     """Applies a BatchEnsemble ``nnx.LinearGeneral`` to a member-major batch.
 
@@ -263,7 +263,7 @@ def batch_ensemble_dense_general(
       TypeError: if ``num_members`` or an axis is not an int.
     """
     num_members = check_num_members(num_members)
-    impl = check_impl(impl)
+    impl = check_choice(impl, "impl", dense.IMPLS)
     try:
         if isinstance(num_batch_axes, bool):
             raise TypeError

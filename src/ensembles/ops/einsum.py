@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_member_batch, check_num_members
+from ensembles._checks import check_choice, check_member_batch, check_num_members
 from ensembles.ops import dense
-from ensembles.ops.plan import check_impl
 
 __all__ = [
     "Subscripts",
@@ -354,7 +353,7 @@ def batch_ensemble_einsum(
     num_members: int,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
-    impl: str = "auto",
+    impl: str = "xla",
 ) -> jax.Array:
     """Applies a BatchEnsemble ``nnx.Einsum`` to a member-major batch.
 
@@ -404,7 +403,7 @@ def batch_ensemble_einsum(
         int.
     """
     num_members = check_num_members(num_members)
-    impl = check_impl(impl)
+    impl = check_choice(impl, "impl", dense.IMPLS)
     inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
     bias = None if bias is None else jnp.asarray(bias)
     subscripts = parse(einsum_str, inputs.ndim)

@@ -3,7 +3,8 @@
 CPU has no compiled Pallas backend, so numerics are checked in Pallas'
 interpreters (both kernel families; the TPU family once in the TPU simulator),
 and the GPU/TPU paths are proven by lowering for "cuda" and "tpu" from this
-machine.
+machine (``test_pallas_lowering.py``; the options and errors are in
+``test_pallas_errors.py``).
 
 Why the interceptor. Pallas' Triton lowering masks no load or store: a block
 that overhangs its array reads and writes the neighbouring rows, members or
@@ -16,8 +17,6 @@ operand, before the interpreter runs the kernel on NaN-filled scratch. The
 check is this file's own, independent of the library's ``exact_block_spec``.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,10 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import ensembles
-from ensembles.ops import BlockSizes, batch_ensemble_dense, resolve_impl
-from ensembles.ops.cost import AUTO_TABLE, Choice
-from ensembles.ops.pallas import fused_dense
-from ensembles.ops.plan import IMPLS
+from ensembles.experimental.pallas import BlockSizes, fused_dense
+from ensembles.ops import batch_ensemble_dense
 from tests.covering import covering
 from tests.reference import make_args
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -283,7 +280,7 @@ def test_preferred_element_type_float32_on_bfloat16():
 
 
 # --------------------------------------------------------------------------- #
-# interpret really reaches pallas_call; impl resolution
+# interpret really reaches pallas_call; the kernel runs only when named
 # --------------------------------------------------------------------------- #
 
 
@@ -306,12 +303,11 @@ def pallas_calls(fn, args):
     return found
 
 
-@pytest.mark.parametrize("impl", ["pallas", "auto"])
-def test_interpret_reaches_pallas_call(impl):
+def test_interpret_reaches_pallas_call():
     args = make_args(0, 2, 3, (), 4, 5, jnp.float32)
 
     def fn(*a):
-        return batch_ensemble_dense(*a, num_members=2, impl=impl, interpret=True)
+        return batch_ensemble_dense(*a, num_members=2, impl="pallas", interpret=True)
 
     def loss(*a):
         return jnp.sum(fn(*a) ** 2)
@@ -321,86 +317,40 @@ def test_interpret_reaches_pallas_call(impl):
     assert pallas_calls(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args) == [True] * 3
 
 
-def test_xla_and_auto_on_cpu_run_no_kernel():
-    args = make_args(0, 2, 3, (), 4, 5, jnp.float32)
-    for impl in ("xla", "auto"):
-        fn = lambda *a, impl=impl: batch_ensemble_dense(*a, num_members=2, impl=impl)  # noqa: E731
-        assert pallas_calls(fn, args) == []
-
-
-MEASURED_WIN = Choice(
-    "gpu",
-    "pallas",
-    measured="a test's invented row",
-    dtypes=("float32", "bfloat16"),
-    min_rows=8,
-    feature_multiple=128,
-    pallas_over_xla=(0.9, 0.95),
-)
-
-
-def test_auto_runs_xla_everywhere_today(monkeypatch):
-    # No backend has a measurement where the kernel wins: "auto" never runs it,
-    # for any backend, dtype or shape (it used to on GPU/TPU, silently wrong).
-    assert all(choice.impl == "xla" for choice in AUTO_TABLE)
-    assert {choice.backend for choice in AUTO_TABLE} == {"cpu", "gpu", "tpu"}
-    for backend in ("cpu", "gpu", "tpu"):
-        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
-            for shape in [(256, 1024, 1024), (130, 256, 384), (5, 96, 48)]:
-                assert resolve_impl(
-                    "auto", backend=backend, shape=shape, dtype=dtype
-                ) == ("xla")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    args = make_args(0, 8, 130, (), 256, 384, jnp.bfloat16)
-    fn = lambda *a: batch_ensemble_dense(*a, num_members=8)  # noqa: E731
-    assert pallas_calls(fn, args) == []
-
-
-def test_auto_follows_a_measured_row(monkeypatch):
-    monkeypatch.setattr("ensembles.ops.plan.AUTO_TABLE", (MEASURED_WIN,))
-    big = (256, 1024, 1024)
-    assert resolve_impl("auto", backend="gpu", shape=big, dtype=jnp.bfloat16) == (
-        "pallas"
-    )
-    uncovered = [
-        ("gpu", (256, 1000, 1024), jnp.float32),  # in not a multiple of 128
-        ("gpu", (256, 1024, 1000), jnp.float32),  # out not a multiple of 128
-        ("gpu", (4, 1024, 1024), jnp.float32),  # too few rows per member
-        ("gpu", big, jnp.float16),  # a dtype the row does not cover
-        ("tpu", big, jnp.float32),  # another backend
-    ]
-    for backend, shape, dtype in uncovered:
-        assert resolve_impl("auto", backend=backend, shape=shape, dtype=dtype) == "xla"
-    assert resolve_impl("auto", backend="gpu") == "xla"  # no shape, no dtype
-    # Operands the kernel rejects fall back to "xla" rather than raise.
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    x, kernel, r, s, bias = make_args(0, 1, 8, (), 128, 128, jnp.float32)
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_default_and_xla_run_no_kernel_on_any_backend(monkeypatch, backend):
+    # The kernel is opt-in: without impl="pallas" no backend runs it, for any
+    # dtype or shape (shapes the retired "auto" table covered included).
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     cases = [
-        ((x, kernel.astype(jnp.bfloat16), r, s, bias), {}),
-        ((x, kernel, r, s, bias), {"preferred_element_type": jnp.bfloat16}),
+        make_args(0, 2, 3, (), 4, 5, jnp.float32),
+        make_args(0, 8, 130, (), 256, 384, jnp.bfloat16),
     ]
-    for args, kwargs in cases:
-        fn = lambda *a, kw=kwargs: batch_ensemble_dense(*a, num_members=1, **kw)  # noqa: E731
-        assert pallas_calls(fn, args) == []
-    fn = lambda *a: batch_ensemble_dense(*a, num_members=1)  # noqa: E731
-    assert len(pallas_calls(fn, (x, kernel, r, s, bias))) == 3  # cpu/cuda/tpu
+    for args in cases:
+        num_members = args[2].shape[0]
+        for extra in ({}, {"impl": "xla"}):
+
+            def fn(*a, extra=extra, num_members=num_members):
+                return batch_ensemble_dense(*a, num_members=num_members, **extra)
+
+            def loss(*a, fn=fn):
+                return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+
+            assert pallas_calls(fn, args) == []
+            assert pallas_calls(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args) == []
 
 
-@pytest.mark.parametrize("ratios", [None, (0.9, 1.2), (1.0, 0.5)])
-def test_a_pallas_row_needs_a_measured_win(ratios):
-    with pytest.raises(ValueError, match=r"needs `pallas_over_xla`"):
-        Choice("gpu", "pallas", measured="x", pallas_over_xla=ratios)
+def test_pallas_without_interpret_picks_the_kernel_per_platform():
+    # Named without `interpret`, the op dispatches on the platform it runs
+    # on (lax.platform_dependent): the GPU kernel, interpreted on CPU, and
+    # the compiled Triton and Mosaic kernels beside it.
+    args = make_args(0, 1, 8, (), 128, 128, jnp.float32)
 
+    def fn(*a):
+        return batch_ensemble_dense(*a, num_members=1, impl="pallas")
 
-def test_resolve_impl_explicit_and_errors():
-    assert IMPLS == ("auto", "xla", "pallas")
-    assert resolve_impl("auto") == "xla"  # this machine is a CPU
-    assert resolve_impl("pallas", backend="cpu") == "pallas"
-    assert resolve_impl("xla", backend="gpu", shape=(256, 1024, 1024)) == "xla"
-    with pytest.raises(ValueError, match=r"`impl` must be one of"):
-        resolve_impl("triton")
-    with pytest.raises(ValueError, match=r"`backend` must be one of"):
-        Choice("rocm", "xla", measured="x")
+    calls = pallas_calls(fn, args)
+    assert len(calls) == 3 and calls.count(True) == 1, calls
 
 
 # --------------------------------------------------------------------------- #
@@ -422,7 +372,7 @@ class MLP(nnx.Module):
 def test_layers_switch_to_pallas_with_nnx_view():
     model = MLP(nnx.Rngs(0))
     fused = nnx.view(model, impl="pallas")
-    assert model.hidden.impl == model.out.impl == "auto"
+    assert model.hidden.impl == model.out.impl == "xla"
     assert fused.hidden.impl == fused.out.impl == "pallas"
     x = ensembles.tile(
         jnp.asarray(np.random.default_rng(1).standard_normal((7, 6)), jnp.float32), 3
@@ -452,154 +402,3 @@ def test_layers_switch_to_pallas_with_nnx_view():
     grad_fn = lambda state, x: nnx.grad(loss)(nnx.merge(graphdef, state), x)  # noqa: E731
     interpreted = pallas_calls(grad_fn, [state, x])
     assert interpreted.count(True) == 6 and len(interpreted) == 18
-
-
-# --------------------------------------------------------------------------- #
-# Lowering proofs: the GPU and TPU paths lower from this CPU-only machine
-# --------------------------------------------------------------------------- #
-
-TRITON = "__gpu$xla.gpu.triton"
-MOSAIC = "tpu_custom_call"
-PLATFORMS = {
-    # platform: (abstract device kind, custom call it must hold, one it must not)
-    "cuda": ("NVIDIA H100 80GB HBM3", TRITON, MOSAIC),
-    "tpu": ("TPU v5 lite", MOSAIC, TRITON),
-}
-
-
-def lowered_text(fn, args, platform):
-    if not (
-        hasattr(jax.sharding, "AbstractDevice")
-        and hasattr(jax.sharding, "use_abstract_mesh")
-    ):
-        pytest.skip(
-            f"jax {jax.__version__} has no jax.sharding.AbstractDevice / "
-            f"use_abstract_mesh to lower for a platform this machine lacks"
-        )
-    device = jax.sharding.AbstractDevice(
-        device_kind=PLATFORMS[platform][0], num_cores=None, platform=platform
-    )
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args if a is not None]
-    with jax.sharding.use_abstract_mesh(mesh):
-        traced = jax.jit(fn).trace(*specs)
-        return traced.lower(lowering_platforms=(platform,)).as_text()
-
-
-def custom_calls(text):
-    return re.findall(r"custom_call @([^(\s]+)\(", text)
-
-
-@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize(
-    "shape, dtype, bias",
-    [
-        ((4, 64, 256, 384), jnp.float32, True),
-        ((3, 37, 200, 130), jnp.bfloat16, False),  # ragged rows, padded in
-    ],
-    ids=["aligned-f32", "ragged-bf16"],
-)
-def test_lowers_for_gpu_and_tpu(platform, shape, dtype, bias):
-    num_members, batch, fan_in, fan_out = shape
-    args = make_args(0, num_members, batch, (), fan_in, fan_out, dtype, bias)
-    _, wanted, unwanted = PLATFORMS[platform]
-
-    def fn(*a):
-        return batch_ensemble_dense(*a, num_members=num_members, impl="pallas")
-
-    def loss(*a):
-        return jnp.sum(fn(*a).astype(jnp.float32) ** 2)
-
-    forward = custom_calls(lowered_text(fn, args, platform))
-    assert forward == [wanted]
-    argnums = tuple(range(len(args) if bias else len(args) - 1))
-    backward = custom_calls(
-        lowered_text(jax.grad(loss, argnums=argnums), args, platform)
-    )
-    # The forward kernel plus the dx/dr and dkernel/ds kernels; nothing else.
-    assert backward == [wanted] * 3
-    assert unwanted not in forward + backward
-
-
-# --------------------------------------------------------------------------- #
-# Errors
-# --------------------------------------------------------------------------- #
-
-
-class TestErrors:
-    def args(self, dtype=jnp.float32):
-        return make_args(0, 2, 3, (), 4, 5, dtype)
-
-    @pytest.mark.parametrize(
-        "field, value", [("block_b", 24), ("block_out", 8), ("block_k", 0)]
-    )
-    def test_block_size_values(self, field, value):
-        with pytest.raises(
-            ValueError,
-            match=rf"`BlockSizes.{field}` must be a power of two >= 16, got {value}",
-        ):
-            BlockSizes(**{field: value})
-
-    @pytest.mark.parametrize("value", [32.0, True, "32"])
-    def test_block_size_types(self, value):
-        with pytest.raises(TypeError, match=r"`BlockSizes.block_k` must be an int"):
-            BlockSizes(block_k=value)
-
-    def test_block_sizes_is_frozen(self):
-        with pytest.raises(AttributeError):
-            BlockSizes().block_b = 32
-
-    def test_block_sizes_type(self):
-        with pytest.raises(TypeError, match=r"`block_sizes` must be an .*BlockSizes"):
-            batch_ensemble_dense(
-                *self.args(), num_members=2, impl="pallas", block_sizes=(16, 16, 16)
-            )
-
-    @pytest.mark.parametrize("dtype", [jnp.float16, jnp.int32])
-    def test_unsupported_dtype(self, dtype):
-        with pytest.raises(
-            TypeError,
-            match=rf"supports dtypes \['float32', 'bfloat16'\], got "
-            rf"{jnp.dtype(dtype).name}.*impl=\"xla\"",
-        ):
-            batch_ensemble_dense(*self.args(dtype), num_members=2, impl="pallas")
-
-    def test_mixed_dtypes(self):
-        x, kernel, r, s, bias = self.args()
-        with pytest.raises(
-            TypeError, match=r"one dtype, got inputs=float32, kernel=bfloat16"
-        ):
-            batch_ensemble_dense(
-                x, kernel.astype(jnp.bfloat16), r, s, bias, num_members=2, impl="pallas"
-            )
-
-    def test_preferred_element_type(self):
-        with pytest.raises(TypeError, match=r"`preferred_element_type`.*bfloat16"):
-            batch_ensemble_dense(
-                *self.args(),
-                num_members=2,
-                impl="pallas",
-                preferred_element_type=jnp.bfloat16,
-            )
-
-    @pytest.mark.parametrize(
-        "kwargs, name",
-        [({"interpret": True}, "interpret"), ({"block_sizes": BlockSizes()}, "block")],
-    )
-    def test_pallas_options_with_xla(self, kwargs, name):
-        with pytest.raises(ValueError, match=rf'`{name}.*impl="xla"'):
-            batch_ensemble_dense(*self.args(), num_members=2, impl="xla", **kwargs)
-
-    def test_interpret_type(self):
-        with pytest.raises(TypeError, match=r"`interpret` must be a bool"):
-            batch_ensemble_dense(
-                *self.args(), num_members=2, impl="pallas", interpret="yes"
-            )
-
-    def test_shape_errors_unchanged(self):
-        x, kernel, r, s, bias = self.args()
-        with pytest.raises(ValueError, match=r"inputs.shape\[0\]` \(=5\)"):
-            batch_ensemble_dense(
-                x[:5], kernel, r, s, bias, num_members=2, impl="pallas"
-            )

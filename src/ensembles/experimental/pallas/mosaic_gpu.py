@@ -43,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ensembles.ops.pallas.blocks import pad_to, round_up
-from ensembles.ops.pallas.common import KernelConfig
+from ensembles.experimental.pallas.blocks import pad_to, round_up
+from ensembles.experimental.pallas.common import KernelConfig
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -312,7 +312,7 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
     Returns:
       The ``[E, R, out]`` outputs in ``config.out_dtype``.
 
-    The caller (:func:`~ensembles.ops.pallas.fused_dense`) has checked the
+    The caller (:func:`~ensembles.experimental.pallas.fused_dense`) has checked the
     dtype with :func:`check_dtype`.
     """
     num_members, rows, in_features = x3.shape

@@ -26,15 +26,15 @@ Modules, one concern each:
 * :mod:`.fused`: dtype checks, the per-platform family choice, padding and
   slicing, and the ``jax.custom_vjp``.
 
-Whether ``impl="auto"`` runs these kernels is decided in
-:mod:`ensembles.ops.plan`, from the measured table of
-:mod:`ensembles.ops.cost`, not here. A new family
+Nothing runs these kernels unless ``impl="pallas"`` names them (``import
+ensembles`` does not even import this package): they become a default only
+where a GPU or TPU run measures them correct and faster. A new family
 is a new module with ``forward`` and ``backward``, registered in
 :mod:`.fused`.
 """
 
-from ensembles.ops.pallas.blocks import BlockSizes
-from ensembles.ops.pallas.fused import (
+from ensembles.experimental.pallas.blocks import BlockSizes
+from ensembles.experimental.pallas.fused import (
     SUPPORTED_DTYPES,
     check_dtypes,
     dense_reference,

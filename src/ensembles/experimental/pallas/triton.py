@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ensembles.ops.pallas.blocks import Tiling, exact_block_spec, num_blocks
-from ensembles.ops.pallas.common import NN, NT, TN, KernelConfig, dot
+from ensembles.experimental.pallas.blocks import Tiling, exact_block_spec, num_blocks
+from ensembles.experimental.pallas.common import NN, NT, TN, KernelConfig, dot
 
 __all__ = ["backward", "forward"]
 

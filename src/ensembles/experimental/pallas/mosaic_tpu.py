@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ensembles.ops.pallas.blocks import Tiling, exact_block_spec, num_blocks
-from ensembles.ops.pallas.common import NN, NT, TN, KernelConfig, dot
+from ensembles.experimental.pallas.blocks import Tiling, exact_block_spec, num_blocks
+from ensembles.experimental.pallas.common import NN, NT, TN, KernelConfig, dot
 
 __all__ = ["backward", "forward"]
 

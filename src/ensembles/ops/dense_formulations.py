@@ -1,4 +1,4 @@
-"""The ``"xla"`` dense op: its formulations, forward, tangent and backward.
+"""The dense op's formulations: its forward, tangent and backward, as ``jnp``.
 
 Member ``k`` of a BatchEnsemble dense layer computes, on its rows ``x_k``::
 
@@ -9,8 +9,7 @@ Member ``k`` of a BatchEnsemble dense layer computes, on its rows ``x_k``::
 * ``"scale"``: scale the activations, one 2-D matmul over all ``E*B`` rows,
   scale again. Extra work: two passes over the activations.
 * ``"fold"``: materialise the member kernels ``W_k = W * outer(r_k, s_k)`` and
-  run one batched matmul. Extra work: one pass over ``E x in x out`` (which XLA's
-  GPU backend fuses into its Triton matmul).
+  run one batched matmul. Extra work: one pass over ``E x in x out``.
 
 For the gradients write ``M_k = x_k^T g_k`` for member ``k``'s block of the
 kernel gradient before any scaling (``g_k`` its output cotangent). Then::
@@ -21,28 +20,26 @@ kernel gradient before any scaling (``g_k`` its output cotangent). Then::
 
 so the gradients of the parameters can be formed in two ways:
 
-* ``"activations"``: ``dW = (x * r)^T (g * s)`` (one 2-D matmul),
+* ``"scaled_activations"``: ``dW = (x * r)^T (g * s)`` (one 2-D matmul),
   ``dr_k = sum_b x_k * ((g_k * s_k) @ W^T)`` (needs the input-gradient matmul
   ``u = (g * s) @ W^T``, which ``dx = u * r`` shares), ``ds_k = sum_b g_k * z_k``
   with ``z = (x * r) @ W`` saved by the ``"scale"`` forward.
-* ``"kernels"``: one batched matmul forms every ``M_k``; ``dW``, ``dr`` and
-  ``ds`` are reductions over ``E x in x out``. No input-gradient matmul: a layer
-  whose inputs need no gradient (a first layer) does exactly the matmuls of a
-  plain dense layer, and ``dx`` (when it is needed) is ``((g * s) @ W^T) * r``.
+* ``"member_kernels"``: one batched matmul forms every ``M_k``; ``dW``, ``dr``
+  and ``ds`` are reductions over ``E x in x out``. No input-gradient matmul: a
+  layer whose inputs need no gradient (a first layer) does exactly the matmuls
+  of a plain dense layer, and ``dx`` (when it is needed) is
+  ``((g * s) @ W^T) * r``.
 
-The op is a primitive pair of :mod:`ensembles.ops.autodiff`: its forward-mode
-rule sees which of ``x``, ``W``, ``r``, ``s`` are differentiated, picks the
-formulation with :func:`ensembles.ops.plan.choose` (the cost model of
-:mod:`ensembles.ops.cost`) for exactly that case and emits a linear
-tangent whose transpose (reverse mode) runs the chosen backward. Forward mode
-(``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``, ``jax.linearize``) evaluates
-that tangent: ``(((dx * r + x * dr) @ W + (x * r) @ dW) * s + z * ds``. Every
-matmul runs at the op's ``precision`` and ``preferred_element_type``; the
-reductions into ``dr`` and ``ds`` accumulate in at least float32 (float64
-stays float64). The math of each formulation is written once, in
-:func:`_forward`, :func:`_tangent` and the two gradient functions; the
-per-member loop of ``tests/reference.py`` is the reference every formulation
-is tested against.
+The rows of one member are a contiguous ``[B, in]`` block of the member-major
+batch, so the ``[E, B, in]`` view these functions take is free (a reshape of
+the row axis, no copy), and every matmul stays 2-D over the flat rows, what
+XLA's CPU backend compiles best. Which formulation runs is decided in
+:mod:`ensembles.ops.dense` (:func:`~ensembles.ops.dense.choose_dense`), which
+also makes these functions the rules of its primitive
+(:mod:`ensembles.ops.autodiff`). Every matmul runs at the op's ``precision``
+and ``preferred_element_type``; the reductions into ``dr`` and ``ds``
+accumulate in at least float32 (float64 stays float64). The per-member loop of
+``tests/reference.py`` is the reference every formulation is tested against.
 """
 
 from __future__ import annotations
@@ -50,19 +47,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from ensembles.ops.autodiff import (
-    Needs,
-    Rules,
-    accumulation_dtype,
-    define,
-    static_precision,
-)
-from ensembles.ops.plan import Formulation, can_fold, choose, runnable
+from ensembles.ops.autodiff import Formulation, Needs, accumulation_dtype
 
-__all__ = ["DenseConfig", "dense_by_member"]
+__all__ = [
+    "DenseConfig",
+    "backward",
+    "dense_by_row",
+    "forward",
+    "keeps_product",
+    "tangent",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +71,8 @@ class DenseConfig:
     Attributes:
       precision: of every matmul, forward and backward.
       preferred_element_type: of every matmul, forward and backward.
-      formulation: a forced :class:`~ensembles.ops.plan.Formulation` (tests,
-        benchmarks); ``None``: :func:`~ensembles.ops.plan.choose` decides.
+      formulation: a forced :class:`~ensembles.ops.autodiff.Formulation`
+        (tests, benchmarks); ``None``: the op's rule decides.
     """
 
     precision: Any
@@ -128,7 +127,7 @@ def _product(x3, kernel, r, config: DenseConfig):
     return _matmul(x3 * r[:, None, :], kernel, config)
 
 
-def _forward(x3, kernel, r, s, config: DenseConfig, formulation: Formulation):
+def forward(x3, kernel, r, s, config: DenseConfig, formulation: Formulation):
     """``(y, z)``: the output and, for ``"scale"``, the unscaled product ``z``."""
     dtype = _output_dtype(x3, kernel, r, s, config)
     if formulation.forward == "fold":
@@ -138,7 +137,7 @@ def _forward(x3, kernel, r, s, config: DenseConfig, formulation: Formulation):
     return (z * s[:, None, :]).astype(dtype), z
 
 
-def _tangent(x3, kernel, r, s, z, tangents, config: DenseConfig):
+def tangent(x3, kernel, r, s, z, tangents, config: DenseConfig):
     """``dy``, linear in the tangents of ``(x, kernel, r, s)`` (``None``: none).
 
     ``dy = (((dx * r + x * dr) @ W + (x * r) @ dW) * s + z * ds``.
@@ -176,7 +175,9 @@ def _sum_rows(a, b, config: DenseConfig):
     return config.dot(a, b, (((1,), (1,)), ((0, 2), (0, 2))), config.sum_dtype(a, b))
 
 
-def _activation_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs):
+def _scaled_activation_gradients(
+    x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs
+):
     """Parameter (and input) gradients formed in the activations' space."""
     dx = dkernel = dr = ds = None
     if needs.inputs or needs.r:
@@ -199,7 +200,7 @@ def _activation_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Ne
     return dx, dkernel, dr, ds
 
 
-def _kernel_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs):
+def _member_kernel_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs):
     """Parameter gradients from the per-member kernel gradients ``M_k``."""
     dx = dkernel = dr = ds = None
     if needs.inputs:
@@ -238,78 +239,93 @@ def _kernel_gradients(x3, kernel, r, s, z, g, config: DenseConfig, needs: Needs)
     return dx, dkernel, dr, ds
 
 
-def _plan(x3, kernel, r, s, config: DenseConfig, needs: Needs) -> Formulation:
-    num_members, rows, in_features = x3.shape
-    foldable = can_fold(x3, kernel, r, s)
-    formulation = config.formulation
-    if formulation is None:
-        formulation = choose(
-            num_members, rows, in_features, kernel.shape[1], needs, can_fold=foldable
-        )
-    return runnable(formulation, needs, foldable)
+def keeps_product(formulation: Formulation, needs: Needs) -> bool:
+    """Whether the forward's unscaled product ``z`` is kept for the backward.
 
-
-def _keeps_product(formulation: Formulation, needs: Needs) -> bool:
-    # ds reads z where the "scale" forward computed it.
+    ``ds`` reads it where the ``"scale"`` forward computed it.
+    """
     return needs.s and formulation.forward == "scale"
 
 
-def _backward(x3, kernel, r, s, z, g, config, formulation: Formulation, needs):
+def backward(x3, kernel, r, s, z, g, config, formulation: Formulation, needs):
+    """The cotangents of ``(x, kernel, r, s)`` (``None`` for those not needed)."""
     gradients = {
-        "kernels": _kernel_gradients,
-        "activations": _activation_gradients,
-    }[formulation.params]
+        "member_kernels": _member_kernel_gradients,
+        "scaled_activations": _scaled_activation_gradients,
+    }[formulation.backward]
     return gradients(x3, kernel, r, s, z, g, config, needs)
 
 
-_dense = define(
-    Rules(
-        name="batch_ensemble_dense",
-        plan=_plan,
-        keeps_product=_keeps_product,
-        forward=_forward,
-        tangent=_tangent,
-        backward=_backward,
+# ------------------------------------------------------ sharded rows
+
+
+def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:
+    """``array``'s sharding if it is placed on an explicit mesh, else ``None``."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.explicit_axes:
+        return None
+    return sharding
+
+
+def _row_members(inputs, num_members: int) -> jax.Array:
+    """The member index of every row of ``inputs``, sharded as its rows are."""
+    num_rows = inputs.shape[0]
+    member = lax.broadcasted_iota(jnp.int32, (num_rows,), 0) // (
+        num_rows // num_members
     )
-)
+    sharding = _explicit_sharding(inputs)
+    if sharding is not None and sharding.spec and sharding.spec[0] is not None:
+        member = jax.sharding.reshard(
+            member, jax.sharding.NamedSharding(sharding.mesh, P(sharding.spec[0]))
+        )
+    return member
 
 
-def dense_by_member(
-    inputs,
-    kernel,
-    r,
-    s,
-    bias,
-    *,
-    precision=None,
-    preferred_element_type=None,
-    formulation: Formulation | None = None,
-):
-    """The one-device ``"xla"`` formulation of ``batch_ensemble_dense``.
+def _per_row(array, member, like) -> jax.Array:
+    """``[E, features]`` -> ``[E*B, 1, ..., features]``: each row's member's slice.
 
-    The rows are split into members by reshapes. ``formulation`` forces one
-    (tests, benchmarks); ``None`` lets :func:`choose` decide when tracing.
-
-    Args:
-      inputs: ``[E*B, ..., in]`` member-major activations.
-      kernel: ``[in, out]``.
-      r: ``[E, in]``.
-      s: ``[E, out]``.
-      bias: ``[E, out]`` or ``None``.
-      precision: as for ``lax.dot_general``.
-      preferred_element_type: as for ``lax.dot_general``.
-      formulation: a :class:`Formulation`, or ``None``.
-
-    Returns:
-      ``[E*B, ..., out]``.
+    The result is placed as ``like``, the activation it scales, is placed
+    (rows and features). Under an automatic mesh the partitioner infers that;
+    under an explicit mesh it is spelled out, since a replicated result would
+    make every device gather, and differentiate, the whole batch's fast weights.
     """
-    num_members, in_features = r.shape
-    out_features = kernel.shape[1]
-    x3 = inputs.reshape(num_members, -1, in_features)
-    config = DenseConfig(
-        static_precision(precision), preferred_element_type, formulation
+    sharding = _explicit_sharding(like)
+    if sharding is None:
+        rows = jnp.take(array, member, axis=0, mode="clip", indices_are_sorted=True)
+    else:
+        spec = (*sharding.spec, *(None,) * like.ndim)[: like.ndim]
+        rows = array.at[member].get(
+            mode="clip",
+            indices_are_sorted=True,
+            out_sharding=jax.sharding.NamedSharding(
+                sharding.mesh, P(spec[0], spec[-1])
+            ),
+        )
+    return rows.reshape(member.shape[0], *(1,) * (like.ndim - 2), array.shape[1])
+
+
+def dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    """The sharding-friendly path: the row axis is never reshaped.
+
+    Each row takes its member's ``r``, ``s`` and bias with a gather by a member
+    index computed from an iota, and the matmul contracts the feature axis of
+    the inputs as they are. The partitioner then keeps every activation sharded
+    however its rows (data parallelism, any E), middle axes (sequence
+    parallelism) or the kernel's output features (model parallelism) are split,
+    where the reshape to ``[E, rows, in]`` would all-gather rows that do not
+    split along member boundaries (and is rejected outright under an explicit
+    mesh).
+    """
+    member = _row_members(inputs, r.shape[0])
+    y = lax.dot_general(
+        inputs * _per_row(r, member, inputs),
+        kernel,
+        (((inputs.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
     )
-    y = _dense(x3, kernel, r, s, config)
+    y = y * _per_row(s, member, y)
     if bias is not None:
-        y = y + bias[:, None, :]
-    return y.reshape(*inputs.shape[:-1], out_features)
+        y = y + _per_row(bias, member, y)
+    return y

@@ -241,7 +241,7 @@ def exact_block_spec(
         raise ValueError(
             f"block {tuple(block_shape)} does not tile an array of shape "
             f"{tuple(array_shape)}: pad the operand to a multiple of the block "
-            f"first (ensembles.ops.pallas.blocks.pad_to). This is a bug in "
+            f"first (ensembles.experimental.pallas.blocks.pad_to). This is a bug in "
             f"ensembles; please report it."
         )
     return pl.BlockSpec(tuple(block_shape), index_map)

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.ops.pallas import mosaic_gpu, mosaic_tpu, triton
-from ensembles.ops.pallas.blocks import BlockSizes, pad_to, tiling
-from ensembles.ops.pallas.common import KernelConfig
+from ensembles.experimental.pallas import mosaic_gpu, mosaic_tpu, triton
+from ensembles.experimental.pallas.blocks import BlockSizes, pad_to, tiling
+from ensembles.experimental.pallas.common import KernelConfig
 
 __all__ = ["SUPPORTED_DTYPES", "check_dtypes", "dense_reference", "fused_dense"]
 

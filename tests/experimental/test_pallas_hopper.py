@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ensembles.ops.pallas import fused_dense, mosaic_gpu
+from ensembles.experimental.pallas import fused_dense, mosaic_gpu
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close_to_scale
 

@@ -5,9 +5,10 @@ would on those rows alone, with its own scale ``scale[k]`` and bias ``bias[k]``
 (and, for batch norm, its own statistics): no statistic ever mixes members.
 
 The ops view the batch as ``[E, B, ...]`` and shift every axis the Flax norm
-would use by one, so the statistics and the scale are computed as Flax computes
-them (in at least float32, with the same fast-variance formula and ``pmean``
-over ``axis_name``) on each member separately.
+would use by one, so the statistics are computed as Flax computes them (in at
+least float32, with the same fast-variance formula and ``pmean`` over
+``axis_name``) on each member separately; the normalization itself is applied
+to the flat ``[E*B, ...]`` batch with per-row statistics and parameters.
 """
 
 from __future__ import annotations
@@ -148,33 +149,45 @@ def _check_params(members, feature_axes, params):
             )
 
 
+def _rows(a, members):
+    """A statistic or parameter of the ``[E, B, ...]`` view, per row.
+
+    ``a`` broadcasts against the view with its member axis whole and its row
+    axis 1 (or ``B``); it comes back broadcasting against the flat ``[E*B,
+    ...]`` batch, each row holding its member's values: the normalization is
+    applied in the batch's own layout, never through the ``[E, B, ...]`` view
+    (which XLA's CPU backend copies around a convolution; ``docs/cost.md``).
+    """
+    num_members, batch = members.shape[:2]
+    if a.shape[1] != batch:
+        a = jnp.repeat(a, batch, axis=1, total_repeat_length=batch)
+    return a.reshape(num_members * batch, *a.shape[2:])
+
+
 def _normalize(
     members, mean, var, scale, bias, reduction_axes, feature_axes, dtype, epsilon
 ):
-    """Flax's ``_normalize`` on the ``[E, B, ...]`` view, per-member params."""
+    """Flax's ``_normalize`` per member, applied to the flat rows per row."""
     stats_shape = list(members.shape)
     for a in reduction_axes:
         stats_shape[a] = 1
-    mean = mean.reshape(stats_shape)
-    var = var.reshape(stats_shape)
     feature_shape = [1] * members.ndim
     feature_shape[0] = members.shape[0]
     for a in feature_axes:
         feature_shape[a] = members.shape[a]
-    y = members - mean
-    mul = lax.rsqrt(var + epsilon)
+    x = members.reshape(-1, *members.shape[2:])
+    mul = lax.rsqrt(_rows(var.reshape(stats_shape), members) + epsilon)
+    y = x - _rows(mean.reshape(stats_shape), members)
     args = [members]
     if scale is not None:
-        scale = scale.reshape(feature_shape)
-        mul = mul * scale
+        mul = mul * _rows(scale.reshape(feature_shape), members)
         args.append(scale)
     y = y * mul
     if bias is not None:
-        bias = bias.reshape(feature_shape)
-        y = y + bias
+        y = y + _rows(bias.reshape(feature_shape), members)
         args.append(bias)
     dtype = _result_dtype(*args, dtype=dtype)
-    return jnp.asarray(y, dtype).reshape(-1, *members.shape[2:])
+    return jnp.asarray(y, dtype)
 
 
 def _per_sample_norm(

@@ -153,6 +153,43 @@ def test_data_bad_sizes(kwargs, message):
 # ---------------------------------------------------------------- methods
 
 
+@pytest.mark.parametrize(
+    ("input_shape", "num_classes"), [((40,), 10), ((8, 8), 10), ((20,), 5)]
+)
+@pytest.mark.parametrize("name", ["cnn", "mlp"])
+def test_models_fit_every_task(name, input_shape, num_classes):
+    from flax import nnx
+
+    # (A CNN over a tabular row's 20 features builds; the CLI skips it.)
+    model = build_quality_model(
+        name, input_shape=input_shape, num_classes=num_classes, rngs=nnx.Rngs(0)
+    )
+    assert model(np.ones((3, *input_shape), np.float32)).shape == (3, num_classes)
+    if name == "cnn":
+        convs = [m for m in model.layers if isinstance(m, nnx.Conv)]
+        assert all(len(c.kernel_size) == len(input_shape) for c in convs)
+    with pytest.raises(ValueError, match="the 'cnn' convolves the axes of 1-D or 2-D"):
+        build_quality_model("cnn", input_shape=(2, 3, 4), rngs=nnx.Rngs(0))
+
+
+def test_rank1_draws_several_predictions_per_member(data):
+    trained = train_method(
+        "rank1",
+        "mlp",
+        data.x_train,
+        data.y_train,
+        num_members=2,
+        steps=2,
+        eval_draws=3,
+        prior_stddev=0.3,
+    )
+    logits = trained.predict(data.x_test[:5])
+    assert logits.shape == (6, 5, 10)  # E * draws "members"
+    assert not np.allclose(logits[0], logits[2])  # member 0, draws 1 and 2
+    layer = trained.model.layers[1]
+    assert layer.prior_stddev == 0.3
+
+
 @pytest.mark.parametrize("name", ["cnn", "mlp"])
 def test_models_and_dropout(name):
     from flax import nnx
@@ -296,12 +333,18 @@ def test_report_metrics_equal_the_uncertainty_module(data):
     )
     for name, x in data.ood.items():
         out = trained.predict(x)
-        for key, score in (
-            ("auroc_entropy", uncertainty.total_entropy),
-            ("auroc_mi", uncertainty.mutual_information),
+        for suffix, score in (
+            ("entropy", uncertainty.total_entropy),
+            ("mi", uncertainty.mutual_information),
         ):
             expected = uncertainty.auroc(score(logits), score(out))
-            assert result["ood"][name][key] == pytest.approx(float(expected))
+            assert result["ood"][name][f"auroc_{suffix}"] == pytest.approx(
+                float(expected)
+            )
+            expected = uncertainty.fpr_at_tpr(score(logits), score(out), tpr=0.95)
+            assert result["ood"][name][f"fpr95_{suffix}"] == pytest.approx(
+                float(expected)
+            )
 
 
 @pytest.mark.parametrize(
@@ -315,6 +358,7 @@ def test_mutual_information_auroc_only_with_several_members(data, method, member
     one_member = method == "single" or members == 1  # MI is 0 everywhere
     for scores in result["ood"].values():
         assert (scores["auroc_mi"] is None) == one_member
+        assert (scores["fpr95_mi"] is None) == one_member
 
 
 def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypatch):
@@ -388,14 +432,17 @@ def test_summary_no_gap_when_the_deep_ensemble_is_no_better():
 
 def test_quality_defaults_and_quick():
     args = cli._parse(["--quality"])
-    assert (args.model, args.members, args.seeds, args.steps) == (
+    assert (args.model, args.members, args.seeds, args.steps, args.task) == (
         ("cnn", "mlp"),
         (4,),
         3,
-        2000,
+        None,  # per task: TASK_STEPS
+        ("mnist1d",),
     )
     quick = cli._parse(["--quality", "--quick"])
-    assert (quick.model, quick.seeds, quick.steps) == (("cnn",), 1, 2000)
+    assert (quick.model, quick.seeds, quick.steps) == (("cnn",), 1, None)
+    tasks = cli._parse(["--quality", "--task", "digits,tabular", "--steps", "7"])
+    assert (tasks.task, tasks.steps) == (("digits", "tabular"), 7)
     assert cli._parse(["--quality", "--seed", "5", "--seeds", "2"]).seed == 5
 
 
@@ -479,3 +526,42 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     assert [entry["method"] for entry in summary] == list(QUALITY_METHODS)
     assert "gap_closed" in summary[1]
     assert plot.stat().st_size > 10_000
+
+
+def test_every_task_runs_through_the_command(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    out = tmp_path / "tasks.json"
+    status = cli.main(
+        [
+            "--quality",
+            "--task",
+            "digits,tabular",
+            "--model",
+            "cnn",
+            "--members",
+            "2",
+            "--seeds",
+            "1",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "tabular: 2 training steps per method; cnn skipped (no use on tabular)" in (
+        printed
+    )
+    assert "cnn on digits (8x8), E=2, 1 seed" in printed
+    rows = json.loads(out.read_text())["results"]
+    assert {(row["task"], row["model"]) for row in rows} == {("digits", "cnn")}
+    for row in rows:
+        assert "aurc" in row["in_distribution"]
+        for scores in row["ood"].values():
+            assert set(scores) == {
+                "auroc_entropy",
+                "auroc_mi",
+                "fpr95_entropy",
+                "fpr95_mi",
+            }

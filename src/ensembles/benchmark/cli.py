@@ -26,9 +26,9 @@ import ensembles
 from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
 from ensembles.benchmark.quality import run_quality, summarize
-from ensembles.benchmark.quality_methods import STEPS
 from ensembles.benchmark.quality_models import QUALITY_MODELS
 from ensembles.benchmark.quality_report import format_quality, write_quality_plot
+from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, TASKS, load_task
 from ensembles.benchmark.report import (
     _describe_device,
     _format_markdown,
@@ -57,7 +57,7 @@ QUALITY_DEFAULTS: dict[str, Any] = {
     "model": QUALITY_MODELS,
     "members": (4,),
     "seeds": 3,
-    "steps": STEPS,
+    "task": ("mnist1d",),
 }
 QUALITY_QUICK: dict[str, Any] = {**QUALITY_DEFAULTS, "model": ("cnn",), "seeds": 1}
 
@@ -72,7 +72,7 @@ _SPEED_ONLY = (
     "impl",
     "repeats",
 )
-_QUALITY_ONLY = ("seeds", "steps")
+_QUALITY_ONLY = ("seeds", "steps", "task")
 
 _EXTRA_HINT = "pip install 'ensembles[bench]'"
 
@@ -303,7 +303,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps",
         type=_positive_int,
         default=None,
-        help=f"--quality: training steps of every method (default: {STEPS})",
+        help="--quality: training steps of every method (default: per task, "
+        + ", ".join(f"{t} {n}" for t, n in TASK_STEPS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--task",
+        type=_choice_list(tuple(TASKS)),
+        default=None,
+        help="--quality: the data, comma-separated: "
+        + ", ".join(TASKS)
+        + " (default: mnist1d). A model a task has no use for (the cnn on "
+        "tabular rows) is skipped, and the output says so",
     )
     parser.add_argument(
         "--quick",
@@ -485,19 +496,34 @@ def _main_quality(
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
-        f"CPUs); MNIST-1D, {args.steps} training steps per method, seeds "
+        f"CPUs); tasks {', '.join(args.task)}, seeds "
         f"{', '.join(map(str, seeds))}",
         flush=True,
     )
     show = _progress(sys.stderr)
-    show("generating MNIST-1D (offline)")
-    rows = run_quality(
-        models=args.model,
-        members=args.members,
-        seeds=seeds,
-        steps=args.steps,
-        progress=show,
-    )
+    rows = []
+    for task in args.task:
+        models = [
+            m for m in args.model if not isinstance(m, str) or m in TASK_MODELS[task]
+        ]
+        skipped = [m for m in args.model if m not in models]
+        steps = args.steps or TASK_STEPS[task]
+        print(
+            f"{task}: {steps} training steps per method"
+            + (f"; {', '.join(skipped)} skipped (no use on {task})" if skipped else ""),
+            flush=True,
+        )
+        if not models:
+            continue
+        show(f"generating {task} (offline)")
+        rows += run_quality(
+            models=models,
+            members=args.members,
+            seeds=seeds,
+            steps=steps,
+            data=load_task(task, quick=args.quick),
+            progress=show,
+        )
     summary = summarize(rows)
     print(format_quality(summary, markdown=args.markdown))
     if args.json:

@@ -35,16 +35,22 @@ from ensembles.benchmark.quality_models import ModelSpec, check_model, model_nam
 
 __all__ = ["METRICS", "evaluate", "run_quality", "summarize"]
 
-#: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`.
-METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier")
+#: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`
+#: (``aurc``: the area under the risk-coverage curve, selective prediction).
+METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier", "aurc")
 
 
 def _metrics(logits: jax.Array, labels: np.ndarray) -> dict[str, float]:
     return {name: float(getattr(uncertainty, name)(logits, labels)) for name in METRICS}
 
 
-def _auroc(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> float:
-    return float(uncertainty.auroc(score(logits_in), score(logits_out)))
+def _ood(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> tuple:
+    """AUROC and FPR at 95% TPR of ``score`` telling out- from in-distribution."""
+    scores_in, scores_out = score(logits_in), score(logits_out)
+    return (
+        float(uncertainty.auroc(scores_in, scores_out)),
+        float(uncertainty.fpr_at_tpr(scores_in, scores_out, tpr=0.95)),
+    )
 
 
 def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
@@ -61,9 +67,12 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
     Returns:
       ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
       metric: value, ...}, ...], "shift_mean": {metric: mean over
-      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a}}}``.
-      ``auroc_mi`` is ``None`` where there is one member (``single``, or
-      E = 1): its mutual information is 0 everywhere.
+      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a,
+      "fpr95_entropy": f, "fpr95_mi": f}}}``: how well total entropy and
+      mutual information tell the set from the test set (AUROC, and the
+      false-positive rate at 95% true positives). The ``_mi`` entries are
+      ``None`` where there is one member (``single``, or E = 1): its mutual
+      information is 0 everywhere.
     """
     logits_in = trained.predict(data.x_test)
     result: dict[str, Any] = {"in_distribution": _metrics(logits_in, data.y_test)}
@@ -85,13 +94,18 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
     ood = {}
     for name, x in data.ood.items():
         logits_out = trained.predict(x)
+        auroc_h, fpr_h = _ood(uncertainty.total_entropy, logits_in, logits_out)
+        if logits_in.shape[0] == 1:  # one member: mutual information is 0
+            auroc_mi = fpr_mi = None
+        else:
+            auroc_mi, fpr_mi = _ood(
+                uncertainty.mutual_information, logits_in, logits_out
+            )
         ood[name] = {
-            "auroc_entropy": _auroc(uncertainty.total_entropy, logits_in, logits_out),
-            "auroc_mi": (
-                None  # one member: mutual information is 0 everywhere
-                if logits_in.shape[0] == 1
-                else _auroc(uncertainty.mutual_information, logits_in, logits_out)
-            ),
+            "auroc_entropy": auroc_h,
+            "auroc_mi": auroc_mi,
+            "fpr95_entropy": fpr_h,
+            "fpr95_mi": fpr_mi,
         }
     result["ood"] = ood
     return result
@@ -117,7 +131,7 @@ def run_quality(
     >>> [(row["method"], row["members"], row["seed"]) for row in rows]
     [('single', 2, 0), ('batchensemble', 2, 0)]
     >>> sorted(rows[1]["in_distribution"])
-    ['accuracy', 'brier', 'ece', 'nll']
+    ['accuracy', 'aurc', 'brier', 'ece', 'nll']
     >>> [level["severity"] for level in rows[1]["shift"]]
     [1, 2, 3, 4, 5]
 
@@ -216,6 +230,7 @@ def run_quality(
                         measured = _measure(trained, data)
                     rows.append(
                         {
+                            "task": data.name,
                             "method": method,
                             "model": name,
                             "members": num_members,
@@ -264,7 +279,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       rows: from :func:`run_quality`.
 
     Returns:
-      One dict per (model, E, method), in first-seen order, with ``seeds``
+      One dict per (task, model, E, method), in first-seen order, with ``seeds``
       (how many), ``params`` and, for ``train_s`` and every measurement,
       ``{"mean": m, "std": s}`` (sample standard deviation; 0 for one seed).
       A ``gap_closed`` entry on ``batchensemble``, ``rank1`` and ``finetuned``
@@ -276,10 +291,12 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["model"], row["members"], row["method"]), []).append(row)
+        key = (row.get("task", "mnist1d"), row["model"], row["members"], row["method"])
+        groups.setdefault(key, []).append(row)
     summary = []
-    for (model, members, method), group in groups.items():
+    for (task, model, members, method), group in groups.items():
         entry: dict[str, Any] = {
+            "task": task,
             "method": method,
             "model": model,
             "members": members,
@@ -314,12 +331,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             },
         }
         summary.append(entry)
-    by_key = {(e["model"], e["members"], e["method"]): e for e in summary}
+    by_key = {(e["task"], e["model"], e["members"], e["method"]): e for e in summary}
     for entry in summary:
         if entry["method"] not in ("batchensemble", "rank1", "finetuned"):
             continue
-        single = by_key.get((entry["model"], entry["members"], "single"))
-        deep = by_key.get((entry["model"], entry["members"], "deep_ensemble"))
+        where = (entry["task"], entry["model"], entry["members"])
+        single = by_key.get((*where, "single"))
+        deep = by_key.get((*where, "deep_ensemble"))
         if single is None or deep is None:
             continue
         entry["gap_closed"] = {

@@ -144,32 +144,74 @@ def load_quality_data(
     Returns:
       The :class:`QualityData`.
     """
-    for name, value in (
+    return mnist1d_sets(
+        num_train,
+        num_test,
+        num_shifted,
+        shifts=SHIFTS,
+        seeds=(_DATA_SEED, 1000, 999, 998),
+        name="mnist1d",
+    )
+
+
+def mnist1d_sets(
+    num_train: int,
+    num_test: int,
+    num_shifted: int,
+    *,
+    shifts: dict[str, tuple[str, tuple[float, ...]]],
+    seeds: tuple[int, int, int, int],
+    name: str,
+) -> QualityData:
+    """MNIST-1D's train, test, shifted and OOD sets from the given seeds.
+
+    What :func:`load_quality_data` and the harsh variant
+    (:func:`~ensembles.benchmark.quality_tasks.load_mnist1d_harsh_data`) share:
+    ``seeds`` are those of the train/test draw, of the shifted sets (plus ``10
+    * severity + family index``), of the shuffled and of the noise OOD sets;
+    ``shifts`` the families' generator arguments and their levels.
+
+    Args:
+      num_train: training examples, a multiple of 10.
+      num_test: test examples and examples per OOD set, a multiple of 10.
+      num_shifted: examples per family and severity, a multiple of 10.
+      shifts: family -> (generator argument, levels at severities 1-5).
+      seeds: (train/test, shifted base, shuffled, noise).
+      name: the data's name.
+
+    Returns:
+      The :class:`QualityData`.
+
+    Raises:
+      ValueError: if a size is not a positive multiple of 10.
+    """
+    for label, value in (
         ("num_train", num_train),
         ("num_test", num_test),
         ("num_shifted", num_shifted),
     ):
-        if check_positive_int(value, name) % 10:
+        if check_positive_int(value, label) % 10:
             raise ValueError(
-                f"`{name}` must be a multiple of 10 (MNIST-1D draws the same "
+                f"`{label}` must be a multiple of 10 (MNIST-1D draws the same "
                 f"number of examples of each of its 10 classes), got {value}."
             )
+    main_seed, shift_seed, shuffled_seed, noise_seed = seeds
     # One draw for train and test: disjoint examples of the standard process
     # (shuffled across classes by make_dataset).
-    main = _generate(num_train + num_test, _DATA_SEED, 1.0)
+    main = _generate(num_train + num_test, main_seed, 1.0)
     x_train, y_train = _as_arrays(main["x"][:num_train], main["y"][:num_train])
     x_test, y_test = _as_arrays(main["x"][num_train:], main["y"][num_train:])
     shifted: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
     for level, severity in enumerate(SEVERITIES):
         shifted[severity] = {}
-        for index, (family, (argument, values)) in enumerate(SHIFTS.items()):
-            seed = 1000 + 10 * severity + index
+        for index, (family, (argument, values)) in enumerate(shifts.items()):
+            seed = shift_seed + 10 * severity + index
             drawn = _generate(num_shifted, seed, 0.0, **{argument: values[level]})
             shifted[severity][family] = _as_arrays(drawn["x_test"], drawn["y_test"])
-    shuffled = _generate(num_test, 999, 0.0, shuffle_seq=True)["x_test"]
-    noise = np.random.default_rng(998).standard_normal(shuffled.shape)
+    shuffled = _generate(num_test, shuffled_seed, 0.0, shuffle_seq=True)["x_test"]
+    noise = np.random.default_rng(noise_seed).standard_normal(shuffled.shape)
     ood = {
         "shuffled": np.asarray(shuffled, np.float32),
         "noise": np.asarray(noise, np.float32),
     }
-    return QualityData(x_train, y_train, x_test, y_test, shifted, ood)
+    return QualityData(x_train, y_train, x_test, y_test, shifted, ood, name=name)

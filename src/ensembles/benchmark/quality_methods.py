@@ -61,6 +61,7 @@ from ensembles.benchmark.quality_models import ModelSpec, build_model
 __all__ = [
     "BATCH_SIZE",
     "DROPOUT_RATE",
+    "EVAL_DRAWS",
     "FAST_LR_MULTIPLIER",
     "FINETUNE_FRACTION",
     "FINETUNE_INIT_STDDEV",
@@ -96,6 +97,9 @@ FAST_LR_MULTIPLIER: float = 0.5
 
 #: The share of the steps over which ``rank1``'s KL weight rises from 0 to 1.
 KL_ANNEALING: float = 0.8
+
+#: ``rank1``'s draws of every member's fast weights per prediction.
+EVAL_DRAWS: int = 1
 
 #: Dropout rate of ``mc_dropout``.
 DROPOUT_RATE: float = 0.1
@@ -163,13 +167,20 @@ def train_method(
     fast_weight_init: Initializer | None = None,
     fast_lr_multiplier: float = FAST_LR_MULTIPLIER,
     tiled: bool = True,
+    prior_stddev: float | None = None,
+    stddev_init: Initializer | None = None,
+    kl_annealing: float = KL_ANNEALING,
+    eval_draws: int = EVAL_DRAWS,
     start: nnx.Module | None = None,
 ) -> Trained:
     """Builds and trains one method; see the module docs for the recipes.
 
-    The last three arguments vary ``batchensemble``'s (and ``rank1``'s)
-    recipe (the benchmark keeps their defaults;
-    ``benchmarks/quality_recipe.py`` measures them).
+    The arguments from ``fast_weight_init`` to ``eval_draws`` vary
+    ``batchensemble``'s and ``rank1``'s recipes (the benchmark keeps their
+    defaults; ``benchmarks/quality_recipe.py`` and
+    ``benchmarks/quality_defaults.py`` measure them). A name of
+    ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
+    and classes (the largest label + 1).
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality_methods import train_method
@@ -195,6 +206,13 @@ def train_method(
         weights'.
       tiled: every member sees the same B examples per step; ``False`` gives
         each its own B (:func:`ensembles.training.member_batches`).
+      prior_stddev: ``rank1``'s prior scale (``None``: the library's).
+      stddev_init: ``rank1``'s initializer of the unconstrained posterior
+        scales (``None``: the library's).
+      kl_annealing: the share of the steps over which ``rank1``'s KL weight
+        rises from 0 to 1.
+      eval_draws: ``rank1``'s draws per member at prediction; each draw counts
+        as a member of the predictive (``[E * draws, N, C]`` logits).
       start: ``finetuned`` only: the trained ``single`` model it starts from
         (not changed).
 
@@ -218,7 +236,12 @@ def train_method(
         )
     E = check_num_members(num_members)
     steps = check_positive_int(steps, "steps")
+    eval_draws = check_positive_int(eval_draws, "eval_draws")
     x_all, y_all = jnp.asarray(x_train), jnp.asarray(y_train)
+    shape = {
+        "input_shape": tuple(np.shape(x_train)[1:]),
+        "num_classes": int(np.max(y_train)) + 1,
+    }
     count = len(x_train)
     batch = min(BATCH_SIZE, count)
     # One root key per seed, one independent stream per use (no key is ever
@@ -238,7 +261,7 @@ def train_method(
         @nnx.split_rngs(splits=E)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
-            return build_model(model, rngs=rngs)
+            return build_model(model, rngs=rngs, **shape)
 
         net = create(nnx.Rngs(params_key))
         members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
@@ -262,15 +285,20 @@ def train_method(
                 "s_init": fast_weight_init,
             }
         )
+        if method == "rank1":
+            inits["posterior"] = "gaussian"
+            if prior_stddev is not None:
+                inits["prior_stddev"] = prior_stddev
+            if stddev_init is not None:
+                inits["stddev_init"] = stddev_init
         net = ensembles.to_batch_ensemble(
-            build_model(model, rngs=nnx.Rngs(params_key)),
+            build_model(model, rngs=nnx.Rngs(params_key), **shape),
             num_members=E,
             rngs=nnx.Rngs(fast_key),
-            posterior="gaussian" if method == "rank1" else None,
             **inits,
         )
         kl_weight = optax.linear_schedule(
-            0.0, 1.0, transition_steps=max(1, int(KL_ANNEALING * steps))
+            0.0, 1.0, transition_steps=max(1, int(kl_annealing * steps))
         )
 
         def loss_fn(model, key, step):
@@ -286,7 +314,11 @@ def train_method(
             return loss
 
         def predict_fn(model, x):
-            return ensembles.untile(model(ensembles.tile(x, E)), E)
+            # rank1 draws on every call: eval_draws draws, each a "member".
+            draws = eval_draws if method == "rank1" else 1
+            return jnp.concatenate(
+                [ensembles.untile(model(ensembles.tile(x, E)), E) for _ in range(draws)]
+            )
 
     elif method == "finetuned":
         init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
@@ -303,7 +335,7 @@ def train_method(
 
     else:
         dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
-        net = build_model(model, dropout=dropout, rngs=nnx.Rngs(params_key))
+        net = build_model(model, dropout=dropout, rngs=nnx.Rngs(params_key), **shape)
 
         def loss_fn(model, key, step):
             x, y = draw(key, 1)

@@ -19,6 +19,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("NLL", "in_distribution", "nll"),
     ("ECE", "in_distribution", "ece"),
     ("Brier", "in_distribution", "brier"),
+    ("AURC", "in_distribution", "aurc"),
     ("shift acc", "shift_mean", "accuracy"),
     ("shift NLL", "shift_mean", "nll"),
     ("shift ECE", "shift_mean", "ece"),
@@ -35,7 +36,8 @@ def _cell(stats: dict[str, float | None], seeds: int) -> str:
 def _groups(summary: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for entry in summary:
-        groups.setdefault((entry["model"], entry["members"]), []).append(entry)
+        key = (entry.get("task", "mnist1d"), entry["model"], entry["members"])
+        groups.setdefault(key, []).append(entry)
     return groups
 
 
@@ -43,7 +45,12 @@ def _main_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     ood_sets = list(group[0]["ood"])
     header = ["method", "params", "train s", *(c[0] for c in _COLUMNS)]
     for name in ood_sets:
-        header += [f"{name} AUROC H", f"{name} AUROC MI"]
+        header += [
+            f"{name} AUROC H",
+            f"{name} AUROC MI",
+            f"{name} FPR95 H",
+            f"{name} FPR95 MI",
+        ]
     rows = []
     for entry in group:
         seeds = entry["seeds"]
@@ -56,8 +63,8 @@ def _main_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         for name in ood_sets:
             scores = entry["ood"][name]
             cells += [
-                _cell(scores["auroc_entropy"], seeds),
-                _cell(scores["auroc_mi"], seeds),
+                _cell(scores[key], seeds)
+                for key in ("auroc_entropy", "auroc_mi", "fpr95_entropy", "fpr95_mi")
             ]
         rows.append(cells)
     return header, rows
@@ -80,11 +87,21 @@ def _severity_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[s
     return header, rows
 
 
+#: How a task is named in titles.
+_TASK_NAMES = {
+    "mnist1d": "MNIST-1D",
+    "digits": "digits (8x8)",
+    "tabular": "tabular",
+    "mnist1d_harsh": "MNIST-1D (harsh shifts)",
+}
+
+
 def _title(group: list[dict[str, Any]]) -> str:
     first = group[0]
+    task = first.get("task", "mnist1d")
     seeds = first["seeds"]
     return (
-        f"{first['model']} on MNIST-1D, E={first['members']}, "
+        f"{first['model']} on {_TASK_NAMES.get(task, task)}, E={first['members']}, "
         f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else '1 seed'}"
     )
 
@@ -116,23 +133,26 @@ def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> 
     >>> from ensembles.benchmark.quality import summarize
     >>> from ensembles.benchmark.quality_report import format_quality
     >>> def row(method, nll):
-    ...     metrics = {"accuracy": 0.9, "nll": nll, "ece": 0.02, "brier": 0.1}
+    ...     metrics = {"accuracy": 0.9, "nll": nll, "ece": 0.02, "brier": 0.1,
+    ...                "aurc": 0.05}
     ...     return {"method": method, "model": "cnn", "members": 4, "params": 10,
     ...             "train_s": 1.0, "in_distribution": metrics,
     ...             "shift": [{"severity": s, **metrics} for s in range(1, 6)],
     ...             "shift_mean": metrics,
     ...             "ood": {"noise": {"auroc_entropy": 0.7,
     ...                               "auroc_mi": None if method == "single"
-    ...                               else 0.8}}}
+    ...                               else 0.8, "fpr95_entropy": 0.5,
+    ...                               "fpr95_mi": None if method == "single"
+    ...                               else 0.4}}}
     >>> summary = summarize([row("single", 0.3), row("batchensemble", 0.2),
     ...                      row("deep_ensemble", 0.1)])
     >>> print(format_quality(summary, markdown=True))
     **cnn on MNIST-1D, E=4, 1 seed**
     <BLANKLINE>
-    | method | params | train s | acc | NLL | ECE | Brier | shift acc | ...
+    | method | params | train s | acc | NLL | ECE | Brier | AURC | shift acc | ...
     |:---|---:|---:|...
-    | single | 10 | 1.0 | 0.900 | 0.300 | 0.020 | ... | 0.700 | n/a |
-    | batchensemble | 10 | 1.0 | 0.900 | 0.200 | ... | 0.700 | 0.800 |
+    | single | 10 | 1.0 | 0.900 | 0.300 | 0.020 | ... | 0.700 | n/a | 0.500 | n/a |
+    | batchensemble | 10 | 1.0 | 0.900 | 0.200 | ... | 0.700 | 0.800 | 0.500 | 0.400 |
     | deep_ensemble | ...
     <BLANKLINE>
     batchensemble closes ... NLL gap ...: in distribution 50%, under shift 50%.

@@ -61,7 +61,6 @@ from typing import Any
 
 import numpy as np
 
-from ensembles._checks import check_positive_int
 from ensembles.benchmark import quality_data
 from ensembles.benchmark.quality_data import SEVERITIES, QualityData
 
@@ -70,6 +69,8 @@ __all__ = [
     "HARSH_SHIFTS",
     "TABULAR_SHIFTS",
     "TASKS",
+    "TASK_MODELS",
+    "TASK_STEPS",
     "load_digits_data",
     "load_mnist1d_harsh_data",
     "load_tabular_data",
@@ -378,39 +379,12 @@ def load_mnist1d_harsh_data(
     Returns:
       The :class:`~ensembles.benchmark.quality_data.QualityData`.
     """
-    for name, value in (
-        ("num_train", num_train),
-        ("num_test", num_test),
-        ("num_shifted", num_shifted),
-    ):
-        if check_positive_int(value, name) % 10:
-            raise ValueError(
-                f"`{name}` must be a multiple of 10 (MNIST-1D draws the same "
-                f"number of examples of each of its 10 classes), got {value}."
-            )
-    generate = quality_data._generate  # restores the global random states
-    main = generate(num_train + num_test, 4242, 1.0)
-    shifted: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-    for severity in SEVERITIES:
-        shifted[severity] = {}
-        for index, (family, (argument, levels)) in enumerate(HARSH_SHIFTS.items()):
-            drawn = generate(
-                num_shifted,
-                5000 + 10 * severity + index,
-                0.0,
-                **{argument: levels[severity - 1]},
-            )
-            shifted[severity][family] = _pair(drawn["x_test"], drawn["y_test"])
-    shuffled = generate(num_test, 4999, 0.0, shuffle_seq=True)["x_test"]
-    noise = np.random.default_rng(4998).standard_normal(shuffled.shape)
-    return QualityData(
-        *_pair(main["x"][:num_train], main["y"][:num_train]),
-        *_pair(main["x"][num_train:], main["y"][num_train:]),
-        shifted,
-        {
-            "shuffled": np.asarray(shuffled, np.float32),
-            "noise": np.asarray(noise, np.float32),
-        },
+    return quality_data.mnist1d_sets(
+        num_train,
+        num_test,
+        num_shifted,
+        shifts=HARSH_SHIFTS,
+        seeds=(4242, 5000, 4999, 4998),
         name="mnist1d_harsh",
     )
 
@@ -423,6 +397,25 @@ TASKS: dict[str, Callable[..., QualityData]] = {
     "digits": load_digits_data,
     "tabular": load_tabular_data,
     "mnist1d_harsh": load_mnist1d_harsh_data,
+}
+
+
+#: Training steps per task, the benchmark's default (B = 100 examples per
+#: step): 25 epochs of MNIST-1D, 84 of digits, 17 of the tabular task.
+TASK_STEPS: dict[str, int] = {
+    "mnist1d": 2000,
+    "digits": 1000,
+    "tabular": 1000,
+    "mnist1d_harsh": 2000,
+}
+
+#: The benchmark's models that apply to each task: a CNN convolves the axes
+#: of sequences and images; tabular rows have none.
+TASK_MODELS: dict[str, tuple[str, ...]] = {
+    "mnist1d": ("cnn", "mlp"),
+    "digits": ("cnn", "mlp"),
+    "tabular": ("mlp",),
+    "mnist1d_harsh": ("cnn", "mlp"),
 }
 
 

@@ -200,11 +200,6 @@ def conv_rows(
     Raises:
       ValueError: if a shape does not fit the others (the message says which).
     """
-    groups = config.feature_group_count
-    if kernel.ndim >= 2:
-        in_features, out_features = kernel.shape[-2] * groups, kernel.shape[-1]
-    else:
-        in_features = out_features = -1
     rank = check_shapes(
         inputs,
         kernel,
@@ -212,15 +207,8 @@ def conv_rows(
         s,
         bias,
         num_members,
-        in_features,
-        out_features,
-        f"`kernel.shape[-2]` times `feature_group_count` (={groups})",
+        feature_group_count=config.feature_group_count,
     )
-    if out_features % groups:
-        raise ValueError(
-            f"`feature_group_count` (={groups}) must divide out_features "
-            f"(={out_features}, `kernel.shape[-1]`)."
-        )
     batch_shape = inputs.shape[: -rank - 1]
     x, padding = _pad(
         flatten_batch(inputs, rank),

@@ -216,9 +216,22 @@ def check_padding(
 
 
 def check_shapes(
-    inputs, kernel, r, s, bias, num_members, in_features, out_features, source
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    num_members: int,
+    *,
+    feature_group_count: int = 1,
+    transpose_kernel: bool = False,
 ) -> int:
-    """Checks the conv op's array shapes; returns the number of spatial dims."""
+    """Checks a convolution op's array shapes; returns the number of spatial dims.
+
+    The kernel is ``[*kernel_size, in/G, out]`` (``[*kernel_size, out, in]``
+    for a transposed convolution with ``transpose_kernel``); ``r`` must be
+    ``[E, in]``, ``s`` and ``bias`` ``[E, out]``.
+    """
     if kernel.ndim < 3:
         raise ValueError(
             f"`kernel` must have shape [*kernel_size, in, out] with at least one "
@@ -229,6 +242,17 @@ def check_shapes(
             f"`kernel` must have no zero-size axis (at least one tap, input and "
             f"output channel), got shape {kernel.shape}."
         )
+    in_features, out_features = kernel.shape[-2:]
+    if transpose_kernel:
+        in_features, out_features = out_features, in_features
+        source = "`kernel.shape[-1]` with `transpose_kernel=True`"
+    elif feature_group_count != 1:
+        in_features *= feature_group_count
+        source = (
+            f"`kernel.shape[-2]` times `feature_group_count` (={feature_group_count})"
+        )
+    else:
+        source = "`kernel.shape[-2]`"
     rank = kernel.ndim - 2
     if inputs.ndim < rank + 2:
         raise ValueError(
@@ -242,6 +266,11 @@ def check_shapes(
             f"`inputs.shape[-1]` (={inputs.shape[-1]}) must equal in_features "
             f"(={in_features}: {source}, `kernel.shape`={kernel.shape}); got "
             f"inputs of shape {inputs.shape}."
+        )
+    if out_features % feature_group_count:
+        raise ValueError(
+            f"`feature_group_count` (={feature_group_count}) must divide "
+            f"out_features (={out_features}, `kernel.shape[-1]`)."
         )
     check_member_shapes(
         inputs.shape[0], r, s, bias, num_members, in_features, out_features

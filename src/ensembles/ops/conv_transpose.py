@@ -55,24 +55,8 @@ def conv_transpose_rows(
     Plain differentiation gives its gradients. The arrays' shapes are checked
     here (a ``ValueError`` says which does not fit).
     """
-    if kernel.ndim >= 2:
-        in_features, out_features = kernel.shape[-2:]
-        if transpose_kernel:
-            in_features, out_features = out_features, in_features
-    else:
-        in_features = out_features = -1
     rank = check_shapes(
-        inputs,
-        kernel,
-        r,
-        s,
-        bias,
-        num_members,
-        in_features,
-        out_features,
-        "`kernel.shape[-1]` with `transpose_kernel=True`"
-        if transpose_kernel
-        else "`kernel.shape[-2]`",
+        inputs, kernel, r, s, bias, num_members, transpose_kernel=transpose_kernel
     )
     batch_shape = inputs.shape[: -rank - 1]
     x = flatten_batch(inputs, rank)

@@ -1,0 +1,170 @@
+"""Choosing the from-scratch and rank-1 defaults across tasks (docs/training.md).
+
+Trains the quality benchmark's methods (``ensembles-bench --quality``) with
+candidate recipes on every task and model of the choosing set (MNIST-1D CNN
+and MLP, digits CNN and MLP, the tabular MLP; E = 4) over the choosing seeds
+(10 and 11: not the seeds the README reports), and ranks the candidates per
+task, model and seed on four measures, lower is better: NLL and ECE in
+distribution, NLL and ECE under shift (mean over the five severities). A
+candidate's score on a task is its mean rank there; leave one task out: for
+each task, the candidate with the best mean score on the OTHER tasks is the
+one chosen for it, so that the choice is judged on a task it was not chosen
+on. The harsh MNIST-1D variant is never used here. Stage ``be`` chooses
+BatchEnsemble's fast-weight init and learning-rate factor; stage ``rank1``
+(run with the chosen BatchEnsemble init) the rank-1 prior, posterior scale and
+prediction draws::
+
+    python benchmarks/quality_defaults.py --stage be [--json be.json]
+    python benchmarks/quality_defaults.py --stage rank1 --init 0.6 --fast-lr 0.5
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+import ensembles
+from ensembles.benchmark.quality import evaluate
+from ensembles.benchmark.quality_methods import train_method
+from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
+
+init = ensembles.initializers
+TASKS = ("mnist1d", "digits", "tabular")
+SEEDS = (10, 11)
+E = 4
+MEASURES = (
+    ("in_distribution", "nll"),
+    ("in_distribution", "ece"),
+    ("shift_mean", "nll"),
+    ("shift_mean", "ece"),
+)
+
+
+def be_candidates():
+    return {
+        f"N(1, {std}), fast lr x{lr}": {
+            "method": "batchensemble",
+            "fast_weight_init": init.normal(1.0, std),
+            "fast_lr_multiplier": lr,
+        }
+        for std in (0.4, 0.5, 0.6, 0.75)
+        for lr in (0.5, 1.0)
+    }
+
+
+def rank1_candidates(std, lr):
+    base = {
+        "method": "rank1",
+        "fast_weight_init": init.normal(1.0, std),
+        "fast_lr_multiplier": lr,
+    }
+    return {
+        f"prior {prior}, posterior {post}, {draws} draw{'s' * (draws > 1)}": {
+            **base,
+            "prior_stddev": prior,
+            "stddev_init": init.unconstrained_stddev(post),
+            "eval_draws": draws,
+        }
+        for prior in (0.1, 0.3)
+        for post in (0.0316, 0.1)
+        for draws in (1, 4)
+    }
+
+
+def _measure(result):
+    return {f"{where} {metric}": result[where][metric] for where, metric in MEASURES}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=["be", "rank1"], default="be")
+    parser.add_argument("--init", type=float, default=0.6, help="rank1: BE init std")
+    parser.add_argument("--fast-lr", type=float, default=0.5, help="rank1: BE lr")
+    parser.add_argument("--json", default=None, help="write every measurement")
+    args = parser.parse_args(argv)
+    candidates = (
+        be_candidates()
+        if args.stage == "be"
+        else rank1_candidates(args.init, args.fast_lr)
+    )
+    records = []
+    for task in TASKS:
+        data = load_task(task)
+        for model in TASK_MODELS[task]:
+            for seed in SEEDS:
+                for name, recipe in candidates.items():
+                    print(f"{task} {model} seed {seed}: {name}", file=sys.stderr)
+                    options = dict(recipe)
+                    method = options.pop("method")
+                    trained = train_method(
+                        method,
+                        model,
+                        data.x_train,
+                        data.y_train,
+                        num_members=E,
+                        steps=TASK_STEPS[task],
+                        seed=seed,
+                        **options,
+                    )
+                    records.append(
+                        {
+                            "task": task,
+                            "model": model,
+                            "seed": seed,
+                            "candidate": name,
+                            **_measure(evaluate(trained, data)),
+                        }
+                    )
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(records, file, indent=1)
+    report(records, list(candidates))
+
+
+def report(records, names):
+    """Prints mean measures and ranks per task, and the leave-one-task-out choice."""
+    measures = [f"{w} {m}" for w, m in MEASURES]
+    ranks = {}  # (task, candidate) -> ranks over models, seeds and measures
+    for task in TASKS:
+        for model in TASK_MODELS[task]:
+            for seed in SEEDS:
+                group = [
+                    r
+                    for r in records
+                    if (r["task"], r["model"], r["seed"]) == (task, model, seed)
+                ]
+                for measure in measures:
+                    order = sorted(group, key=lambda r, m=measure: r[m])
+                    for rank, r in enumerate(order, 1):
+                        ranks.setdefault((task, r["candidate"]), []).append(rank)
+    score = {key: statistics.fmean(values) for key, values in ranks.items()}
+    print("Mean rank per task (lower is better), and the mean measures:")
+    print()
+    print("| candidate | " + " | ".join(TASKS) + " | " + " | ".join(measures) + " |")
+    print("|:---|" + "---:|" * (len(TASKS) + len(measures)))
+    for name in names:
+        cells = [f"{score[(task, name)]:.2f}" for task in TASKS]
+        mine = [r for r in records if r["candidate"] == name]
+        cells += [f"{np.mean([r[m] for r in mine]):.3f}" for m in measures]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+    print("Leave one task out: the candidate with the best mean rank on the others.")
+    for held_out in TASKS:
+        others = [t for t in TASKS if t != held_out]
+        chosen = min(
+            names, key=lambda n: statistics.fmean(score[(t, n)] for t in others)
+        )
+        best_here = min(names, key=lambda n: score[(held_out, n)])
+        print(
+            f"- held out {held_out}: chosen {chosen!r} (its rank there "
+            f"{score[(held_out, chosen)]:.2f}; best there {best_here!r}, "
+            f"{score[(held_out, best_here)]:.2f})"
+        )
+    overall = min(names, key=lambda n: statistics.fmean(score[(t, n)] for t in TASKS))
+    print(f"- over all tasks: {overall!r}")
+
+
+if __name__ == "__main__":
+    main()

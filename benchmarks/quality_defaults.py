@@ -11,11 +11,13 @@ each task, the candidate with the best mean score on the OTHER tasks is the
 one chosen for it, so that the choice is judged on a task it was not chosen
 on. The harsh MNIST-1D variant is never used here. Stage ``be`` chooses
 BatchEnsemble's fast-weight init and learning-rate factor; stage ``rank1``
-(run with the chosen BatchEnsemble init) the rank-1 prior, posterior scale and
-prediction draws::
+(run with the chosen BatchEnsemble init) the rank-1 prior and the prediction
+draws, then (with those) the posterior's initial scale and the KL annealing::
 
     python benchmarks/quality_defaults.py --stage be [--json be.json]
-    python benchmarks/quality_defaults.py --stage rank1 --init 0.6 --fast-lr 0.5
+    python benchmarks/quality_defaults.py --stage rank1 --init 0.75 --fast-lr 0.5
+    python benchmarks/quality_defaults.py --stage rank1 --init 0.75 --fast-lr 0.5 \\
+        --priors 0.3 --draws 4 --posts 0.0316,0.1 --kls 0.2,0.8
 """
 
 import argparse
@@ -42,35 +44,42 @@ MEASURES = (
 )
 
 
-def be_candidates():
+def be_candidates(stds=(0.4, 0.5, 0.6, 0.75), lrs=(0.5, 1.0)):
     return {
         f"N(1, {std}), fast lr x{lr}": {
             "method": "batchensemble",
             "fast_weight_init": init.normal(1.0, std),
             "fast_lr_multiplier": lr,
         }
-        for std in (0.4, 0.5, 0.6, 0.75)
-        for lr in (0.5, 1.0)
+        for std in stds
+        for lr in lrs
     }
 
 
-def rank1_candidates(std, lr):
+def rank1_candidates(
+    std, lr, priors=(0.1, 0.3), draws_tried=(1, 4), posts=(None,), kls=(None,)
+):
+    """Rank-1 recipes; a ``None`` posterior init or KL annealing is the library's."""
     base = {
         "method": "rank1",
         "fast_weight_init": init.normal(1.0, std),
         "fast_lr_multiplier": lr,
     }
-    return {
-        f"prior {prior}, posterior {post}, {draws} draw{'s' * (draws > 1)}": {
-            **base,
-            "prior_stddev": prior,
-            "stddev_init": init.unconstrained_stddev(post),
-            "eval_draws": draws,
-        }
-        for prior in (0.1, 0.3)
-        for post in (0.0316, 0.1)
-        for draws in (1, 4)
-    }
+    candidates = {}
+    for prior in priors:
+        for draws in draws_tried:
+            for post in posts:
+                for kl in kls:
+                    name = f"prior {prior}, {draws} draw{'s' * (draws > 1)}"
+                    recipe = {**base, "prior_stddev": prior, "eval_draws": draws}
+                    if post is not None:
+                        name += f", posterior {post}"
+                        recipe["stddev_init"] = init.unconstrained_stddev(post)
+                    if kl is not None:
+                        name += f", KL annealing {kl}"
+                        recipe["kl_annealing"] = kl
+                    candidates[name] = recipe
+    return candidates
 
 
 def _measure(result):
@@ -80,14 +89,47 @@ def _measure(result):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", choices=["be", "rank1"], default="be")
-    parser.add_argument("--init", type=float, default=0.6, help="rank1: BE init std")
+    parser.add_argument("--init", type=float, default=0.75, help="rank1: BE init std")
     parser.add_argument("--fast-lr", type=float, default=0.5, help="rank1: BE lr")
+    parser.add_argument(
+        "--stds", default="0.4,0.5,0.6,0.75", help="be: the init stddevs tried"
+    )
+    parser.add_argument("--lrs", default="0.5,1.0", help="be: the fast lr factors")
+    parser.add_argument("--priors", default="0.1,0.3", help="rank1: prior stddevs")
+    parser.add_argument("--draws", default="1,4", help="rank1: prediction draws")
+    parser.add_argument(
+        "--posts", default=None, help="rank1: posterior init scales (library's)"
+    )
+    parser.add_argument(
+        "--kls", default=None, help="rank1: KL annealing shares (library's)"
+    )
     parser.add_argument("--json", default=None, help="write every measurement")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        default=None,
+        help="only report: rank the candidates of these JSON files together",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        records = []
+        for path in args.report:
+            with open(path) as file:
+                records += json.load(file)
+        report(records, list(dict.fromkeys(r["candidate"] for r in records)))
+        return
+    floats = lambda text: tuple(float(v) for v in text.split(","))  # noqa: E731
     candidates = (
-        be_candidates()
+        be_candidates(floats(args.stds), floats(args.lrs))
         if args.stage == "be"
-        else rank1_candidates(args.init, args.fast_lr)
+        else rank1_candidates(
+            args.init,
+            args.fast_lr,
+            floats(args.priors),
+            tuple(int(v) for v in args.draws.split(",")),
+            floats(args.posts) if args.posts else (None,),
+            floats(args.kls) if args.kls else (None,),
+        )
     )
     records = []
     for task in TASKS:

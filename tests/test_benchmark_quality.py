@@ -19,7 +19,11 @@ from ensembles.benchmark.quality_data import (
     SHIFTS,
     load_quality_data,
 )
-from ensembles.benchmark.quality_methods import QUALITY_METHODS, train_method
+from ensembles.benchmark.quality_methods import (
+    EVAL_DRAWS,
+    QUALITY_METHODS,
+    train_method,
+)
 from ensembles.benchmark.quality_models import build_quality_model
 from tests.tolerances import assert_close
 
@@ -224,7 +228,7 @@ def test_methods_are_what_they_claim(data):
     assert shapes == {
         "single": (1, 7, 10),
         "batchensemble": (3, 7, 10),
-        "rank1": (3, 7, 10),
+        "rank1": (3 * EVAL_DRAWS, 7, 10),  # every draw a member
         "finetuned": (3, 7, 10),
         "deep_ensemble": (3, 7, 10),
         "mc_dropout": (3, 7, 10),

@@ -96,7 +96,7 @@ class TestToBatchEnsemble:
             (
                 {"posterior": "gaussian", "prior_stddev": 0.05},
                 {"posterior": "gaussian"},
-                r"`prior_stddev` \(=0.1\) differs.*prior_stddev=0.05",
+                r"`prior_stddev` \(=0.5\) differs.*prior_stddev=0.05",
             ),
         ],
     )

@@ -22,6 +22,7 @@ from ensembles import (
     BatchEnsembleLinearGeneral,
     initializers,
 )
+from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV
 from ensembles.ops import posterior as posterior_ops
 from tests.models import MLP, ONES, random_input
 from tests.reference import (
@@ -239,7 +240,10 @@ class TestKL:
             return sum(
                 float(
                     posterior_ops.fast_weight_kl(
-                        m[...], u[...], posterior=module.posterior, prior_stddev=0.1
+                        m[...],
+                        u[...],
+                        posterior=module.posterior,
+                        prior_stddev=DEFAULT_PRIOR_STDDEV,
                     )
                 )
                 for m, u in (

@@ -14,10 +14,18 @@ BatchEnsemble's fast-weight init and learning-rate factor; stage ``rank1``
 (run with the chosen BatchEnsemble init) the rank-1 prior and the prediction
 draws, then (with those) the posterior's initial scale and the KL annealing::
 
-    python benchmarks/quality_defaults.py --stage be [--json be.json]
-    python benchmarks/quality_defaults.py --stage rank1 --init 0.75 --fast-lr 0.5
-    python benchmarks/quality_defaults.py --stage rank1 --init 0.75 --fast-lr 0.5 \\
-        --priors 0.3 --draws 4 --posts 0.0316,0.1 --kls 0.2,0.8
+    python benchmarks/quality_defaults.py --stage be --json be.json
+    python benchmarks/quality_defaults.py --stage be --stds 0.9,1.0 --lrs 0.5 \\
+        --json be_wide.json
+    python benchmarks/quality_defaults.py --report be.json be_wide.json
+    python benchmarks/quality_defaults.py --stage rank1 --json r1.json
+    python benchmarks/quality_defaults.py --stage rank1 --priors 0.5,1.0 \\
+        --draws 4 --json r1_wide.json
+    python benchmarks/quality_defaults.py --stage rank1 --priors 0.5 --draws 4 \\
+        --posts 0.0316,0.1 --kls 0.2,0.8 --json r1_posterior.json
+
+(what was run for the defaults of 2026-11-25; each stage about 1-2 hours on
+the 2-core CPU, docs/training.md has the tables).
 """
 
 import argparse

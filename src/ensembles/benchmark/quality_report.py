@@ -231,6 +231,6 @@ def write_quality_plot(summary: list[dict[str, Any]], path: str) -> None:
             ax.set_xlabel("shift severity")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-            ax.set_title(f"{label}: {_title(group)}", fontsize=9)
+            ax.set_title(f"{label}\n{_title(group)}", fontsize=9)
         row_axes[1].legend(fontsize=8)
     figure.savefig(path, dpi=120)

@@ -30,9 +30,9 @@ RECIPES = {
         "batchensemble",
         {"fast_weight_init": init.normal(1.0, 0.5), "fast_lr_multiplier": 1.0},
     ),
-    "init N(1, 0.75)": (
+    "init N(1, 0.6) (the default until 2026-11-25)": (
         "batchensemble",
-        {"fast_weight_init": init.normal(1.0, 0.75)},
+        {"fast_weight_init": init.normal(1.0, 0.6)},
     ),
     "init N(1, 1.0)": ("batchensemble", {"fast_weight_init": init.normal(1.0, 1.0)}),
     "init random_sign(0.5)": (

@@ -243,7 +243,7 @@ def test_methods_are_what_they_claim(data):
     assert trained["rank1"].params == trained["batchensemble"].params + fast
     # finetuned: the single model converted (the same parameters as BE's).
     assert trained["finetuned"].params == trained["batchensemble"].params
-    # rank1 predicts with one draw per member: two predictions differ.
+    # rank1 draws its fast weights anew on every call: two predictions differ.
     first = trained["rank1"].predict(data.x_test[:7])
     assert not np.allclose(first, trained["rank1"].predict(data.x_test[:7]))
     # Members differ (fast weights, initialisations, dropout masks).

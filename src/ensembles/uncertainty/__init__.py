@@ -21,7 +21,9 @@ false-positive rate at, say, 95% true positives).
 Against labels, :func:`nll`, :func:`accuracy` and :func:`brier` score the
 predictive; :func:`ece`, :func:`adaptive_ece` (equal-mass bins) and :func:`mce`
 (the worst bin) its calibration; :func:`aurc` and :func:`augrc` its selective
-prediction, the risk of answering only the most confident examples. Where
+prediction, the risk of answering only the most confident examples.
+:func:`fit_temperature` and :func:`scale_temperature` recalibrate the
+predictive with one temperature fitted on held-out examples. Where
 confidences tie, the sort-based metrics average over the orders of the tie, so
 no result depends on the order of the batch.
 
@@ -57,6 +59,7 @@ Array([0.  , 0.69], dtype=float32)
 
 from __future__ import annotations
 
+from ensembles.uncertainty.calibration import fit_temperature, scale_temperature
 from ensembles.uncertainty.metrics import (
     accuracy,
     adaptive_ece,
@@ -88,11 +91,13 @@ __all__ = [
     "disagreement",
     "ece",
     "expected_entropy",
+    "fit_temperature",
     "fpr_at_tpr",
     "mce",
     "mutual_information",
     "nll",
     "predictive_probs",
+    "scale_temperature",
     "total_entropy",
     "variance",
 ]

@@ -13,7 +13,8 @@ def _log_predictive(logits):
     logits = np.asarray(logits, np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     probs = np.exp(shifted) / np.exp(shifted).sum(-1, keepdims=True)
-    return np.log(probs.mean(0))
+    with np.errstate(divide="ignore"):  # log 0 = -inf for a ruled-out class
+        return np.log(probs.mean(0))
 
 
 def _nll_at(logits, labels, temperature):
@@ -130,9 +131,11 @@ def test_fit_temperature_is_nan_for_bad_examples_never_a_number():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"bounds": (0.0, 1.0)}, ValueError, "0 < low < high"),
-        ({"bounds": (2.0, 1.0)}, ValueError, "0 < low < high"),
-        ({"bounds": (1.0, float("inf"))}, ValueError, "0 < low < high"),
+        ({"bounds": (0.0, 1.0)}, ValueError, "1e-30 <= low < high <= 1e30"),
+        ({"bounds": (2.0, 1.0)}, ValueError, "1e-30 <= low < high <= 1e30"),
+        ({"bounds": (1.0, float("inf"))}, ValueError, "1e-30 <= low < high"),
+        ({"bounds": (1e-40, 1.0)}, ValueError, "1e-30 <= low < high"),
+        ({"bounds": (1.0, 1e39)}, ValueError, "1e-30 <= low < high"),
         ({"bounds": (1.0,)}, ValueError, "two temperatures"),
         ({"bounds": 1.0}, ValueError, "two temperatures"),
         ({"bounds": ("a", 2.0)}, TypeError, "`bounds` must be a real number"),
@@ -213,9 +216,72 @@ def test_scale_temperature_bad_temperatures_and_nan_rows():
             uncertainty.scale_temperature(logits, bad)
     with pytest.raises(ValueError, match="scalar"):
         uncertainty.scale_temperature(logits, jnp.ones(2))
+    # Finite, but not in float32: said so, not reported as "inf".
+    with pytest.raises(ValueError, match=r"float32 \(at most 3.403e\+38\), got 1e\+39"):
+        uncertainty.scale_temperature(logits, 1e39)
+    with pytest.raises(TypeError, match="real number"):
+        uncertainty.scale_temperature(logits, True)
     # Under jit the value is unknown: NaN, never a number.
     assert np.all(np.isnan(jax.jit(uncertainty.scale_temperature)(logits, 0.0)))
     scaled = uncertainty.scale_temperature(logits.at[1, 4, 0].set(jnp.inf), 1.5)
     assert np.all(np.isnan(scaled[0, 4])) and np.all(
         np.isfinite(np.delete(scaled[0], 4, 0))
     )
+
+
+def test_the_widest_bounds_still_fit():
+    logits, labels = _disagreeing_ensemble()
+    np.testing.assert_allclose(
+        uncertainty.fit_temperature(
+            logits, labels, bounds=(1e-30, 1e30), iterations=60
+        ),
+        uncertainty.fit_temperature(logits, labels),
+        rtol=1e-5,
+    )
+
+
+def test_a_flat_nll_gives_the_lower_bound():
+    # One class: every temperature gives probability 1, the fit is arbitrary.
+    one_class = jnp.zeros((2, 5, 1))
+    np.testing.assert_allclose(
+        uncertainty.fit_temperature(one_class, jnp.zeros(5, jnp.int32)), 0.05, rtol=1e-5
+    )
+
+
+def test_scale_temperature_gradient_with_a_class_every_member_rules_out():
+    logits, labels = _disagreeing_ensemble(examples=50)
+    masked = logits.at[:, :, 3].set(-jnp.inf)
+    labels = jnp.where(labels == 3, 0, labels)
+
+    def loss(temperature):
+        return uncertainty.nll(
+            uncertainty.scale_temperature(masked, temperature), labels
+        )
+
+    step = 1e-5
+    expected = (
+        _nll_at(np.asarray(masked), np.asarray(labels), 1.3 + step)
+        - _nll_at(np.asarray(masked), np.asarray(labels), 1.3 - step)
+    ) / (2 * step)
+    gradient = jax.grad(loss)(jnp.float32(1.3))
+    assert np.isfinite(gradient)
+    np.testing.assert_allclose(gradient, expected, rtol=1e-3)
+    # The masked class keeps probability 0.
+    assert np.all(np.isneginf(uncertainty.scale_temperature(masked, 1.3)[0, :, 3]))
+
+
+def test_dtypes_under_x64(x64):
+    logits, labels = _disagreeing_ensemble()
+    assert uncertainty.fit_temperature(logits, labels).dtype == jnp.float32
+    assert uncertainty.scale_temperature(logits, 0.7).dtype == jnp.float32
+    wide = logits.astype(jnp.float64)
+    fitted = uncertainty.fit_temperature(wide, labels, iterations=60)
+    assert fitted.dtype == jnp.float64
+    reference = _reference_temperature(np.asarray(wide), np.asarray(labels))
+    np.testing.assert_allclose(fitted, reference, rtol=1e-7)
+    scaled = uncertainty.scale_temperature(wide, 1 / 3)
+    assert scaled.dtype == jnp.float64
+    z = _log_predictive(np.asarray(wide)) * 3
+    z = z - z.max(-1, keepdims=True)
+    expected = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    np.testing.assert_allclose(scaled[0], expected, rtol=1e-12, atol=1e-12)

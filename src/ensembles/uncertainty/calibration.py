@@ -13,6 +13,7 @@ See :mod:`ensembles.uncertainty` for the input conventions.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ __all__ = ["fit_temperature", "scale_temperature"]
 
 
 @functools.partial(jax.jit, static_argnames=("iterations",))
-def _fit_temperature(logits, labels, lowest, highest, iterations):
+def _fit_temperature(logits, labels, log_b_low, log_b_high, iterations):
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
     log_probs = _predictive_log_probs(_member_log_probs(logits))  # [B, C]
     possible = log_probs > -jnp.inf  # classes the predictive rules out stay out
@@ -54,11 +55,12 @@ def _fit_temperature(logits, labels, lowest, highest, iterations):
         rising = slope(middle) > 0
         return jnp.where(rising, low, middle), jnp.where(rising, middle, high)
 
+    dtype = log_probs.dtype  # float32, or float64 under x64 for float64 logits
     low, high = jax.lax.fori_loop(
         0,
         iterations,
         step,
-        (jnp.log(1.0 / highest), jnp.log(1.0 / lowest)),
+        (jnp.asarray(log_b_low, dtype), jnp.asarray(log_b_high, dtype)),
     )
     temperature = jnp.exp(-(low + high) / 2)
     # A label every member rules out has an infinite NLL at every temperature.
@@ -78,7 +80,9 @@ def fit_temperature(
     report), then apply it with :func:`scale_temperature`. The NLL of
     ``softmax(log p / T)`` is convex in ``1/T``; the minimum is found by
     bisection of its slope in ``log(1/T)`` to within ``bounds``, which it
-    is clipped to.
+    is clipped to. Where every temperature fits equally (one class, or one
+    possible class per example) it returns the lower bound. It is a fit, not
+    a differentiable function of the logits: its gradient is zero.
 
     >>> import jax.numpy as jnp
     >>> from ensembles import uncertainty
@@ -97,13 +101,14 @@ def fit_temperature(
     Args:
       logits: member logits of shape ``[E, B, C]``.
       labels: integer class indices of shape ``[B]``, in ``[0, C)``.
-      bounds: the lowest and highest temperatures considered, ``0 < low <
-        high``.
+      bounds: the lowest and highest temperatures considered, ``1e-30 <=
+        low < high <= 1e30``.
       iterations: bisection steps (40 narrow the range of ``log T`` by
         ``2**-40``); static under :func:`jax.jit`.
 
     Returns:
-      The temperature, a float32 scalar (``> 1``: the ensemble was
+      The temperature, a scalar in the logits' compute dtype (float32, or
+      float64 for float64 logits under x64) (``> 1``: the ensemble was
       overconfident, ``< 1``: underconfident); NaN if any example has invalid
       logits (see :mod:`ensembles.uncertainty`), a label every member rules
       out, or, under :func:`jax.jit`, a label outside ``[0, C)``.
@@ -111,7 +116,7 @@ def fit_temperature(
     Raises:
       ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, a
         label lies outside ``[0, C)`` (when not traced), or ``bounds`` are not
-        two numbers with ``0 < low < high``.
+        two numbers with ``1e-30 <= low < high <= 1e30``.
       TypeError: if ``logits`` is not floating-point or ``labels`` not integer.
     """
     logits = _check_logits(logits)
@@ -122,13 +127,16 @@ def fit_temperature(
             "e.g. bounds=(0.05, 20.0)."
         )
     lowest, highest = (check_real(b, "bounds") for b in bounds)
-    if not 0 < lowest < highest < float("inf"):
+    if not 1e-30 <= lowest < highest <= 1e30:
         raise ValueError(
-            f"`bounds` must satisfy 0 < low < high < inf, got {tuple(bounds)!r}: "
-            "e.g. bounds=(0.05, 20.0)."
+            f"`bounds` must satisfy 1e-30 <= low < high <= 1e30, got "
+            f"{tuple(bounds)!r}: e.g. bounds=(0.05, 20.0)."
         )
     iterations = check_positive_int(iterations, "iterations")
-    return _fit_temperature(logits, labels, lowest, highest, iterations)
+    # Bisection in log(1/T), its ends taken in float64 here.
+    return _fit_temperature(
+        logits, labels, -math.log(highest), -math.log(lowest), iterations
+    )
 
 
 @jax.jit
@@ -136,7 +144,14 @@ def _scale_temperature(logits, temperature):
     logits, invalid = _split_invalid(logits)
     log_probs = _predictive_log_probs(_member_log_probs(logits))
     bad = ~(jnp.isfinite(temperature) & (temperature > 0))
-    scaled = jax.nn.log_softmax(log_probs / jnp.where(bad, 1.0, temperature), axis=-1)
+    temperature = jnp.where(bad, 1.0, temperature).astype(log_probs.dtype)
+    # A class every member rules out stays -inf, kept out of the division so
+    # that d(-inf / T)/dT does not turn the temperature's gradient into NaN.
+    possible = log_probs > -jnp.inf
+    scaled = jnp.where(
+        possible, jnp.where(possible, log_probs, 0.0) / temperature, -jnp.inf
+    )
+    scaled = jax.nn.log_softmax(scaled, axis=-1)
     return _poison(jnp.where(bad, jnp.nan, scaled), invalid)[None]
 
 
@@ -166,30 +181,43 @@ def scale_temperature(logits: jax.Array, temperature: float | jax.Array) -> jax.
       temperature: a positive scalar, e.g. from :func:`fit_temperature`.
 
     Returns:
-      Log-probabilities ``[1, B, C]`` in at least float32; NaN rows for
-      examples with invalid logits, and all NaN for a temperature that is not
-      positive and finite under :func:`jax.jit`.
+      Log-probabilities ``[1, B, C]`` in the logits' compute dtype (at least
+      float32; the temperature is cast to it); NaN rows for examples with
+      invalid logits, and all NaN for a temperature that is not positive and
+      finite under :func:`jax.jit`. Differentiable in the temperature and the
+      logits.
 
     Raises:
-      ValueError: if ``logits`` is not ``[E, B, C]``, or a concrete
-        ``temperature`` is not positive and finite, or not a scalar.
-      TypeError: if ``logits`` is not floating-point.
+      ValueError: if ``logits`` is not ``[E, B, C]``, or ``temperature`` is
+        not a scalar, or (when not traced) not positive and finite in the
+        compute dtype.
+      TypeError: if ``logits`` is not floating-point or ``temperature`` not a
+        real number.
     """
     logits = _check_logits(logits)
-    temperature = jnp.asarray(temperature, dtype=jnp.float32)
-    if temperature.shape != ():
+    if jnp.shape(temperature) != ():
         raise ValueError(
-            f"`temperature` must be a scalar, got shape {temperature.shape}: pass "
-            "the one number `fit_temperature` returns."
+            f"`temperature` must be a scalar, got shape {jnp.shape(temperature)}: "
+            "pass the one number `fit_temperature` returns."
         )
+    dtype = jnp.result_type(temperature)
+    if dtype == jnp.bool_ or not (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    ):
+        raise TypeError(
+            f"`temperature` must be a real number, got {temperature!r} of dtype "
+            f"{dtype}."
+        )
+    compute = jnp.promote_types(logits.dtype, jnp.float32)
     try:
         value = float(temperature)
     except jax.errors.ConcretizationTypeError:
         value = None  # traced: a bad temperature gives NaN (see Returns)
-    if value is not None and not 0 < value < float("inf"):
+    largest = float(jnp.finfo(compute).max)
+    if value is not None and not 0 < value <= largest:
         raise ValueError(
-            f"`temperature` must be positive and finite, got {value}: fit it "
-            "with `uncertainty.fit_temperature(logits, labels)` on held-out "
-            "examples."
+            f"`temperature` must be positive and finite in {compute.name} (at most "
+            f"{largest:.4g}), got {value}: fit it with "
+            "`uncertainty.fit_temperature(logits, labels)` on held-out examples."
         )
-    return _scale_temperature(logits, temperature)
+    return _scale_temperature(logits, jnp.asarray(temperature).astype(compute))

@@ -14,7 +14,6 @@ distribution and under shift, and out-of-distribution AUROC
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,12 @@ import jax
 
 import ensembles
 from ensembles.benchmark.methods import MODES, check_convertible
-from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
+from ensembles.benchmark.models import (
+    DEFAULT_IMAGE_SIZE,
+    DEFAULT_WIDTHS,
+    MODELS,
+    load_factory,
+)
 from ensembles.benchmark.quality import run_quality, summarize
 from ensembles.benchmark.quality_models import QUALITY_MODELS
 from ensembles.benchmark.quality_report import format_quality, write_quality_plot
@@ -121,37 +125,6 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _name_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
-
-
-def load_factory(reference: str) -> Callable[..., Any]:
-    """Imports ``"package.module:factory"``: a user's model factory.
-
-    >>> load_factory("ensembles.benchmark.quality_models:build_quality_model")
-    <function build_quality_model at ...>
-
-    Args:
-      reference: the module's import path, a colon, the factory's name.
-
-    Returns:
-      The factory.
-
-    Raises:
-      ValueError: if the reference is malformed, the module cannot be
-        imported, or it has no such callable.
-    """
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(
-            f"a model factory is named 'package.module:factory', got {reference!r}"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import {module_name!r}: {error}") from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
-    return factory
 
 
 def _choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:

@@ -8,7 +8,9 @@ the user's model (with the shape of one example, ``input_shape``).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ __all__ = [
     "MODELS",
     "NUM_CLASSES",
     "build_model",
+    "load_factory",
     "model_inputs",
     "model_name",
 ]
@@ -177,3 +180,35 @@ def _width(name: str, width: int | None) -> int:
     if name not in MODELS:
         raise ValueError(f"`name` must be one of {list(MODELS)}, got {name!r}.")
     return DEFAULT_WIDTHS[name] if width is None else width
+
+
+def load_factory(reference: str) -> Callable[..., Any]:
+    """Imports ``"package.module:factory"``: a user's model factory.
+
+    >>> from ensembles.benchmark.models import load_factory
+    >>> load_factory("ensembles.benchmark.quality_models:build_quality_model")
+    <function build_quality_model at ...>
+
+    Args:
+      reference: the module's import path, a colon, the factory's name.
+
+    Returns:
+      The factory.
+
+    Raises:
+      ValueError: if the reference is malformed, the module cannot be
+        imported, or it has no such callable.
+    """
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"a model factory is named 'package.module:factory', got {reference!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
+    return factory

@@ -12,6 +12,7 @@ from flax import nnx
 
 import ensembles
 from ensembles.benchmark import (
+    LEARNING_RATE,
     METHODS,
     MODES,
     NUM_CLASSES,
@@ -480,3 +481,153 @@ def test_cli_takes_a_users_model(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err, argv
+
+
+# ------------------------------------------- models with state of their own
+# Dropout (an rng count), BatchNorm (running statistics) and a body of blocks
+# stacked with nnx.vmap and applied with nnx.scan (flax's
+# examples/nnx_toy_examples/06_scan_over_layers.py): state a train step updates
+# under jax.grad, where Variables made at jit's trace level cannot be updated.
+
+
+def dropout_mlp(rngs):
+    return nnx.Sequential(
+        nnx.Linear(6, 8, rngs=rngs),
+        nnx.relu,
+        nnx.Dropout(0.1, rngs=rngs),
+        nnx.Linear(8, 3, rngs=rngs),
+    )
+
+
+def batchnorm_mlp(rngs):
+    return nnx.Sequential(
+        nnx.Linear(6, 8, rngs=rngs),
+        nnx.BatchNorm(8, rngs=rngs),
+        nnx.relu,
+        nnx.Dropout(0.1, rngs=rngs),
+        nnx.Linear(8, 3, rngs=rngs),
+    )
+
+
+class _Block(nnx.Module):
+    def __init__(self, dim, *, rngs):
+        self.linear = nnx.Linear(dim, dim, rngs=rngs)
+        self.bn = nnx.BatchNorm(dim, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.dropout(self.bn(self.linear(x))))
+
+
+class _ScanMLP(nnx.Module):
+    def __init__(self, dim, *, num_layers, rngs):
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(axis_size=num_layers)
+        def create_block(rngs):
+            return _Block(dim, rngs=rngs)
+
+        self.blocks = create_block(rngs)
+        self.head = nnx.Linear(dim, 3, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan
+        def body(x, block):
+            return block(x), None
+
+        x, _ = body(x, self.blocks)
+        return self.head(x)
+
+
+def scan_mlp(rngs):
+    return _ScanMLP(6, num_layers=2, rngs=rngs)
+
+
+STATEFUL = [dropout_mlp, batchnorm_mlp, scan_mlp]
+
+
+def test_every_method_runs_on_models_with_dropout_batchnorm_and_scan():
+    rows = run_benchmark(
+        models=STATEFUL,
+        input_shape=(6,),
+        modes=list(MODES),
+        members=[2],
+        batch=3,
+        repeats=2,
+    )
+    assert [(r["model"], r["mode"], r["method"]) for r in rows] == [
+        (f.__name__, mode, method)
+        for f in STATEFUL
+        for mode in MODES
+        for method in METHODS
+    ]
+    assert all(r["median_s"] > 0 and r["params"] > 0 for r in rows)
+    by_case = {(r["model"], r["mode"], r["method"]): r for r in rows}
+    for f in STATEFUL:
+        # The converted model has fast weights: every layer was converted.
+        assert (
+            by_case[f.__name__, "train", "batchensemble"]["params"]
+            > by_case[f.__name__, "train", "single"]["params"]
+        )
+
+
+def _reference_losses(factory, x, labels, steps):
+    """What a user's nnx training loop gives: nnx.Optimizer under nnx.jit."""
+    optax = pytest.importorskip("optax")
+    model = factory(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, labels):
+        def loss_fn(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, labels
+            ).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [step(model, optimizer, x, labels) for _ in range(steps)]
+    return losses, nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("factory", STATEFUL)
+def test_train_step_is_a_users_training_loop(factory):
+    # The step carries the rng counts and running statistics over: the
+    # dropout masks of step 2 are not those of step 1, as in a training loop.
+    prepared = prepare_method(
+        "single", factory, "train", num_members=E, batch=B, input_shape=(6,)
+    )
+    x, labels = model_inputs(factory, E * B, input_shape=(6,))
+    expected, params = _reference_losses(factory, x, labels, 3)
+    for want in expected:
+        assert_close(prepared.step(), want)
+    jax.tree.map(assert_close, prepared.params(), params)
+
+
+@pytest.mark.parametrize("factory", STATEFUL)
+def test_train_deep_ensemble_vmap_equals_loop_with_state(factory):
+    shape = {"num_members": E, "batch": B, "input_shape": (6,)}
+    vmapped = prepare_method("deep_ensemble", factory, "train", **shape)
+    looped = prepare_method("deep_ensemble_loop", factory, "train", **shape)
+    for _ in range(3):
+        assert_close(vmapped.step(), np.stack(looped.step()))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *looped.params())
+    jax.tree.map(assert_close, vmapped.params(), stacked)
+
+
+@pytest.mark.parametrize("factory", STATEFUL)
+def test_batchensemble_with_ones_equals_single_with_state(factory):
+    # The converted model keeps the Dropout (its rng stream, so its masks) and
+    # the BatchNorm of the user's model: with ones for fast weights every
+    # member computes what the plain model does, forward and in the first
+    # train step (afterwards adam moves the fast weights too).
+    shape = {"num_members": E, "batch": B, "input_shape": (6,)}
+    ones = ensembles.initializers.ones()
+    for mode in MODES:
+        single = prepare_method("single", factory, mode, **shape)
+        ensemble = prepare_method(
+            "batchensemble", factory, mode, fast_weight_init=ones, **shape
+        )
+        assert_close(ensemble.step(), single.step())

@@ -20,6 +20,10 @@ rows ``[k*B, (k+1)*B)``):
 
 Every step is jitted with the model's state as an argument (split, never closed
 over) and ``mode="train"`` is forward + backward + an ``optax.adam`` update.
+Models run as built, in training mode in both modes: ``nnx.Dropout`` draws its
+masks and ``nnx.BatchNorm`` normalizes with the batch's statistics. A train step
+carries the state that is not a parameter (rng counts, BatchNorm's running
+statistics) over to the next step, as a training loop does.
 """
 
 from __future__ import annotations
@@ -315,23 +319,42 @@ def _memory(compiled, calls: int = 1) -> MemoryStats:
     )
 
 
+def _merge(graphdef, params, rest):
+    # Fresh Variables for `rest`, made in the current trace: a train step's
+    # forward runs under jax.grad, a trace inside jit's, where a layer that
+    # updates its state on every call (nnx.Dropout's and a rank-1 layer's rng
+    # count, nnx.BatchNorm's statistics) cannot update Variables made at jit's
+    # level ("Cannot extract graph node from different trace level").
+    return nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+
+
+def _rest(model):
+    """The model's state that is not a parameter, as the forward left it."""
+    return nnx.split(model, nnx.Param, ...)[2]
+
+
 def _train_step(loss_fn, tx):
-    """A step of (params, opt_state, rest, x, y) -> (params, opt_state, loss)."""
+    """A step of (params, opt_state, rest, x, y) -> (params, opt_state, rest, loss).
+
+    ``loss_fn(params, rest, x, y)`` returns ``(objective, (loss, rest))``.
+    """
     optax = _optax()
 
     def step(params, opt_state, rest, x, y):
-        (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, x, y)
+        (_, (loss, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, rest, x, y
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, rest, loss
 
     return step
 
 
 def _compile_train(loss_fn, params, rest, x, y):
-    """Compiles a train step; its parameters and optimizer state are donated."""
+    """Compiles a train step; its parameters, optimizer state and rest are donated."""
     tx = _optax().adam(LEARNING_RATE)
     opt_state = tx.init(params)
-    step = jax.jit(_train_step(loss_fn, tx), donate_argnums=(0, 1))
+    step = jax.jit(_train_step(loss_fn, tx), donate_argnums=(0, 1, 2))
     return step.lower(params, opt_state, rest, x, y).compile(), opt_state, tx
 
 
@@ -340,7 +363,7 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
     num_params, param_bytes = _count(params)
 
     def forward(params, rest, x):
-        return nnx.merge(graphdef, params, rest)(x)
+        return _merge(graphdef, params, rest)(x)
 
     if mode == "forward":
         compiled = jax.jit(forward).lower(params, rest, x).compile()
@@ -354,23 +377,19 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
         )
 
     def loss_fn(params, rest, x, y):
-        # Fresh Variables for `rest` inside the grad trace: a rank-1 model's
-        # rng stream advances when it draws, as nnx.Dropout's does.
-        model = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+        model = _merge(graphdef, params, rest)
         loss = _cross_entropy(model(x), y)
         if method == "rank1":
             # The rank-1 loss (docs/rank1.md), over a data set of these rows.
             loss = loss + ensembles.kl_divergence(model) / x.shape[0]
-        return loss, loss
+        return loss, (loss, _rest(model))
 
-    # A rank-1 model's rng stream is part of `rest`, which steps do not carry
-    # over: every timed step draws with the same key, at the same cost.
     compiled, opt_state, _ = _compile_train(loss_fn, params, rest, x, labels)
-    state = {"params": params, "opt_state": opt_state}
+    state = {"params": params, "opt_state": opt_state, "rest": rest}
 
     def step():
-        state["params"], state["opt_state"], loss = compiled(
-            state["params"], state["opt_state"], rest, x, labels
+        state["params"], state["opt_state"], state["rest"], loss = compiled(
+            state["params"], state["opt_state"], state["rest"], x, labels
         )
         return loss
 
@@ -392,13 +411,14 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
     num_params, param_bytes = _count(params)
 
     def forward(params, rest, xs):
-        stacked = nnx.merge(graphdef, params, rest)
-        return nnx.vmap(lambda model, x: model(x), in_axes=(0, 0))(stacked, xs)
+        stacked = _merge(graphdef, params, rest)
+        out = nnx.vmap(lambda model, x: model(x), in_axes=(0, 0))(stacked, xs)
+        return out, _rest(stacked)
 
     if mode == "forward":
 
         def predict(params, rest, xs):
-            out = forward(params, rest, xs)
+            out, _ = forward(params, rest, xs)
             return out.reshape(-1, *out.shape[2:])
 
         compiled = jax.jit(predict).lower(params, rest, xs).compile()
@@ -412,17 +432,17 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
         )
 
     def loss_fn(params, rest, xs, ys):
-        logits = forward(params, rest, xs)
+        logits, rest = forward(params, rest, xs)
         losses = jax.vmap(_cross_entropy)(logits, ys)
         # Each model's gradient is that of its own mean loss, as in the loop.
-        return jnp.sum(losses), losses
+        return jnp.sum(losses), (losses, rest)
 
     compiled, opt_state, _ = _compile_train(loss_fn, params, rest, xs, ys)
-    state = {"params": params, "opt_state": opt_state}
+    state = {"params": params, "opt_state": opt_state, "rest": rest}
 
     def step():
-        state["params"], state["opt_state"], losses = compiled(
-            state["params"], state["opt_state"], rest, xs, ys
+        state["params"], state["opt_state"], state["rest"], losses = compiled(
+            state["params"], state["opt_state"], state["rest"], xs, ys
         )
         return losses
 
@@ -449,7 +469,7 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
     calls = len(members)
 
     def forward(params, rest, x):
-        return nnx.merge(graphdef, params, rest)(x)
+        return _merge(graphdef, params, rest)(x)
 
     if mode == "forward":
         compiled = jax.jit(forward).lower(params[0], rests[0], xs[0]).compile()
@@ -470,8 +490,9 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
         )
 
     def loss_fn(params, rest, x, y):
-        loss = _cross_entropy(forward(params, rest, x), y)
-        return loss, loss
+        model = _merge(graphdef, params, rest)
+        loss = _cross_entropy(model(x), y)
+        return loss, (loss, _rest(model))
 
     compiled, _, tx = _compile_train(loss_fn, params[0], rests[0], xs[0], ys[0])
     opt_states = [tx.init(p) for p in params]
@@ -479,7 +500,7 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
     def step():
         losses = []
         for k in range(calls):
-            params[k], opt_states[k], loss = compiled(
+            params[k], opt_states[k], rests[k], loss = compiled(
                 params[k], opt_states[k], rests[k], xs[k], ys[k]
             )
             losses.append(loss)

@@ -9,7 +9,7 @@ held-out accuracy, NLL and ECE, every member's accuracy, and checks that a
 member view and an extracted member reproduce member 0. Runs in seconds on a
 CPU and downloads nothing (the digits data ship with scikit-learn).
 
-    python examples/quickstart.py [--members 4] [--steps 400]
+    python examples/quickstart.py [--members 4] [--steps 400] [--batch 64]
 """
 
 import argparse
@@ -59,12 +59,16 @@ def report(name, logits, labels):
     return float(u.accuracy(logits, labels))
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=64)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     E, B = args.members, args.batch
 
     digits = load_digits()

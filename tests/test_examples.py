@@ -1,5 +1,6 @@
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
@@ -22,3 +23,18 @@ def test_quickstart_runs_and_learns(capsys):
     assert "of nnx.Linear layers, reproduces member 0: True" in out
     # Ten classes: chance is 0.1; 60 Adam steps already get far above it.
     assert accuracy > 0.5
+
+
+def test_the_docs_state_the_quickstarts_defaults():
+    # getting_started.md and the script's own usage line give its defaults.
+    defaults = vars(load("quickstart").parse_args([]))
+    page = (EXAMPLES.parent / "docs" / "getting_started.md").read_text()
+    stated = re.search(r"`examples/quickstart.py ((?:--\w+ \d+ ?)+)` are its", page)
+    assert stated, "getting_started.md must state the quickstart's defaults"
+    usage = re.search(
+        r"python examples/quickstart.py ((?:\[--\w+ \d+\] ?)+)",
+        (EXAMPLES / "quickstart.py").read_text(),
+    )
+    for text in (stated.group(1), usage.group(1)):
+        pairs = re.findall(r"--(\w+) (\d+)", text)
+        assert {name: int(value) for name, value in pairs} == defaults, text

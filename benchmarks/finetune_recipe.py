@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark.quality import evaluate
+from ensembles.benchmark.quality import evaluate, split_validation
 from ensembles.benchmark.quality_data import load_quality_data
 from ensembles.benchmark.quality_methods import (
     BATCH_SIZE,
@@ -159,7 +159,7 @@ def main(argv=None):
     unknown = [name for name in args.recipes if name not in RECIPES]
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
-    data = load_quality_data()
+    data, x_valid, y_valid = split_validation(load_quality_data())
     rows = {name: [] for name in ("trained model", "deep ensemble", *args.recipes)}
     gaps = {name: [] for name in args.recipes}
     for seed in range(args.seeds):
@@ -175,7 +175,10 @@ def main(argv=None):
             num_members=E,
             seed=seed,
         )
-        base, top = _row(evaluate(single, data)), _row(evaluate(deep, data))
+        base, top = (
+            _row(evaluate(single, data, x_valid=x_valid, y_valid=y_valid)),
+            _row(evaluate(deep, data, x_valid=x_valid, y_valid=y_valid)),
+        )
         rows["trained model"].append(base)
         rows["deep ensemble"].append(top)
         for name in args.recipes:
@@ -195,7 +198,7 @@ def main(argv=None):
                 tuned = finetune(
                     single.model, data, seed, {**THE_RECIPE, **RECIPES[name]}
                 )
-            row = _row(evaluate(tuned, data))
+            row = _row(evaluate(tuned, data, x_valid=x_valid, y_valid=y_valid))
             rows[name].append(row)
             gaps[name].append(
                 (base["shift NLL"] - row["shift NLL"])

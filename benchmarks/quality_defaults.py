@@ -36,7 +36,7 @@ import sys
 import numpy as np
 
 import ensembles
-from ensembles.benchmark.quality import evaluate
+from ensembles.benchmark.quality import evaluate, split_validation
 from ensembles.benchmark.quality_methods import train_method
 from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
 
@@ -141,7 +141,7 @@ def main(argv=None):
     )
     records = []
     for task in TASKS:
-        data = load_task(task)
+        data, x_valid, y_valid = split_validation(load_task(task))
         for model in TASK_MODELS[task]:
             for seed in SEEDS:
                 for name, recipe in candidates.items():
@@ -164,7 +164,11 @@ def main(argv=None):
                             "model": model,
                             "seed": seed,
                             "candidate": name,
-                            **_measure(evaluate(trained, data)),
+                            **_measure(
+                                evaluate(
+                                    trained, data, x_valid=x_valid, y_valid=y_valid
+                                )
+                            ),
                         }
                     )
     if args.json:

@@ -13,7 +13,12 @@ import argparse
 import sys
 
 import ensembles
-from ensembles.benchmark.quality import _gap_closed, evaluate, summarize
+from ensembles.benchmark.quality import (
+    _gap_closed,
+    evaluate,
+    split_validation,
+    summarize,
+)
 from ensembles.benchmark.quality_data import load_quality_data
 from ensembles.benchmark.quality_methods import FAST_LR_MULTIPLIER, train_method
 
@@ -59,7 +64,7 @@ def main(argv=None):
     unknown = [name for name in args.recipes if name not in RECIPES]
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
-    data = load_quality_data()
+    data, x_valid, y_valid = split_validation(load_quality_data())
     rows = []
     for name in args.recipes:
         method, overrides = RECIPES[name]
@@ -83,7 +88,7 @@ def main(argv=None):
                     "seed": seed,
                     "params": trained.params,
                     "train_s": trained.train_s,
-                    **evaluate(trained, data),
+                    **evaluate(trained, data, x_valid=x_valid, y_valid=y_valid),
                 }
             )
     summary = {entry["method"]: entry for entry in summarize(rows)}

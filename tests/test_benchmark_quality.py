@@ -13,10 +13,17 @@ import pytest
 import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
-from ensembles.benchmark.quality import METRICS, evaluate, summarize
+from ensembles.benchmark.quality import (
+    METRICS,
+    MIN_GAP,
+    evaluate,
+    split_validation,
+    summarize,
+)
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
     SHIFTS,
+    QualityData,
     load_quality_data,
 )
 from ensembles.benchmark.quality_methods import (
@@ -25,6 +32,7 @@ from ensembles.benchmark.quality_methods import (
     train_method,
 )
 from ensembles.benchmark.quality_models import build_quality_model
+from ensembles.benchmark.quality_report import format_quality
 from tests.tolerances import assert_close
 
 pytest.importorskip("mnist1d")
@@ -319,36 +327,121 @@ def test_report_metrics_equal_the_uncertainty_module(data):
     trained = train_method(
         "deep_ensemble", "mlp", data.x_train, data.y_train, num_members=2, steps=5
     )
-    result = evaluate(trained, data)
-    logits = trained.predict(data.x_test)
-    for metric in METRICS:
-        expected = getattr(uncertainty, metric)(logits, data.y_test)
-        assert result["in_distribution"][metric] == pytest.approx(float(expected))
-    for level, severity in zip(result["shift"], SEVERITIES, strict=True):
-        assert level["severity"] == severity
+    x_valid, y_valid = data.x_train[:50], data.y_train[:50]
+    result = evaluate(trained, data, x_valid=x_valid, y_valid=y_valid)
+    temperature = float(uncertainty.fit_temperature(trained.predict(x_valid), y_valid))
+    assert result["temperature"] == pytest.approx(temperature)
+
+    def as_trained(x):
+        return trained.predict(x)
+
+    def recalibrated(x):
+        return uncertainty.scale_temperature(trained.predict(x), temperature)
+
+    for measured, predict in (
+        (result, as_trained),
+        (result["recalibrated"], recalibrated),
+    ):
+        logits = predict(data.x_test)
         for metric in METRICS:
-            per_family = [
-                float(getattr(uncertainty, metric)(trained.predict(x), y))
-                for x, y in data.shifted[severity].values()
+            expected = getattr(uncertainty, metric)(logits, data.y_test)
+            assert measured["in_distribution"][metric] == pytest.approx(
+                float(expected), rel=1e-5
+            )
+        for level, severity in zip(measured["shift"], SEVERITIES, strict=True):
+            assert level["severity"] == severity
+            for metric in METRICS:
+                per_family = [
+                    float(getattr(uncertainty, metric)(predict(x), y))
+                    for x, y in data.shifted[severity].values()
+                ]
+                assert level[metric] == pytest.approx(np.mean(per_family), rel=1e-5)
+        assert measured["shift_mean"]["nll"] == pytest.approx(
+            np.mean([level["nll"] for level in measured["shift"]])
+        )
+        scores = (
+            [("entropy", uncertainty.total_entropy)]
+            if predict is recalibrated  # pooled: one member, no MI
+            else [
+                ("entropy", uncertainty.total_entropy),
+                ("mi", uncertainty.mutual_information),
             ]
-            assert level[metric] == pytest.approx(np.mean(per_family))
-    assert result["shift_mean"]["nll"] == pytest.approx(
-        np.mean([level["nll"] for level in result["shift"]])
+        )
+        for name, x in data.ood.items():
+            out = predict(x)
+            assert sorted(measured["ood"][name]) == sorted(
+                f"{kind}_{suffix}"
+                for suffix, _ in scores
+                for kind in ("auroc", "fpr95")
+            )
+            for suffix, score in scores:
+                expected = uncertainty.auroc(score(logits), score(out))
+                assert measured["ood"][name][f"auroc_{suffix}"] == pytest.approx(
+                    float(expected)
+                )
+                expected = uncertainty.fpr_at_tpr(score(logits), score(out), tpr=0.95)
+                assert measured["ood"][name][f"fpr95_{suffix}"] == pytest.approx(
+                    float(expected)
+                )
+
+
+def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypatch):
+    # Every fit_temperature call must see the validation split and nothing
+    # else: the logits of the held-out training rows and their labels; no
+    # method may train on those rows; the test set never enters.
+    import ensembles.benchmark.quality as quality
+
+    fitted, trained_on = [], []
+    original_fit = uncertainty.fit_temperature
+    original_train = quality.train_method
+
+    def recording_fit(logits, labels):
+        fitted.append((np.asarray(logits), np.asarray(labels)))
+        return original_fit(logits, labels)
+
+    def recording_train(method, model, x, y, **kwargs):
+        trained_on.append(np.asarray(x))
+        trained = original_train(method, model, x, y, **kwargs)
+        predicted.append(trained.predict)
+        return trained
+
+    predicted = []
+    monkeypatch.setattr(uncertainty, "fit_temperature", recording_fit)
+    monkeypatch.setattr(quality, "train_method", recording_train)
+    rows = quality.run_quality(
+        models=["mlp"],
+        members=[2],
+        methods=["single", "batchensemble"],
+        steps=2,
+        data=data,
     )
-    for name, x in data.ood.items():
-        out = trained.predict(x)
-        for suffix, score in (
-            ("entropy", uncertainty.total_entropy),
-            ("mi", uncertainty.mutual_information),
-        ):
-            expected = uncertainty.auroc(score(logits), score(out))
-            assert result["ood"][name][f"auroc_{suffix}"] == pytest.approx(
-                float(expected)
-            )
-            expected = uncertainty.fpr_at_tpr(score(logits), score(out), tpr=0.95)
-            assert result["ood"][name][f"fpr95_{suffix}"] == pytest.approx(
-                float(expected)
-            )
+    _, x_valid, y_valid = split_validation(data)
+    assert len(x_valid) == 20 and all(row["validation_examples"] == 20 for row in rows)
+    assert all(row["train_examples"] == 180 for row in rows)
+    held = {row.tobytes() for row in x_valid}
+    train_rows = {row.tobytes() for row in data.x_train}
+    test_rows = {row.tobytes() for row in data.x_test}
+    assert held <= train_rows and not held & test_rows
+    for x in trained_on:  # no method saw a validation example
+        assert len(x) == 180 and not {row.tobytes() for row in x} & held
+    assert len(fitted) == len(predicted) == 2
+    for (logits, labels), predict in zip(fitted, predicted, strict=True):
+        np.testing.assert_array_equal(labels, y_valid)
+        np.testing.assert_array_equal(logits, np.asarray(predict(x_valid)))
+    for row, (logits, labels) in zip(rows, fitted, strict=True):
+        assert row["temperature"] == pytest.approx(float(original_fit(logits, labels)))
+
+
+def test_a_validation_set_of_your_own_is_kept(data):
+    mine = dataclasses.replace(data, x_valid=data.x_test[:10], y_valid=data.y_test[:10])
+    kept, x_valid, y_valid = split_validation(mine)
+    assert kept is mine  # trains on all of x_train
+    np.testing.assert_array_equal(x_valid, data.x_test[:10])
+    np.testing.assert_array_equal(y_valid, data.y_test[:10])
+    with pytest.raises(ValueError, match="`x_valid` and `y_valid` go together"):
+        dataclasses.replace(data, x_valid=data.x_test[:10])
+    with pytest.raises(ValueError, match="holds out 0: at least one"):
+        split_validation(data, fraction=0.001)
 
 
 @pytest.mark.parametrize(
@@ -358,7 +451,9 @@ def test_mutual_information_auroc_only_with_several_members(data, method, member
     trained = train_method(
         method, "mlp", data.x_train, data.y_train, num_members=members, steps=2
     )
-    result = evaluate(trained, data)
+    result = evaluate(
+        trained, data, x_valid=data.x_train[:20], y_valid=data.y_train[:20]
+    )
     one_member = method == "single" or members == 1  # MI is 0 everywhere
     for scores in result["ood"].values():
         assert (scores["auroc_mi"] is None) == one_member
@@ -390,7 +485,14 @@ def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypat
     assert singles[0]["in_distribution"] == singles[1]["in_distribution"]
 
 
-def _row(method, nll, seed=0):
+def _row(method, nll, seed=0, calibrated=None):
+    def measured(nll):
+        return {
+            "in_distribution": {"nll": nll},
+            "shift": [{"severity": 1, "nll": 2 * nll}],
+            "shift_mean": {"nll": 2 * nll},
+        }
+
     return {
         "method": method,
         "model": "mlp",
@@ -398,37 +500,65 @@ def _row(method, nll, seed=0):
         "seed": seed,
         "params": 1,
         "train_s": 1.0,
-        "in_distribution": {"nll": nll},
-        "shift": [{"severity": 1, "nll": 2 * nll}],
-        "shift_mean": {"nll": 2 * nll},
+        **measured(nll),
         "ood": {"noise": {"auroc_entropy": 0.5, "auroc_mi": None}},
+        "temperature": 1.0,
+        "recalibrated": measured(nll if calibrated is None else calibrated),
     }
 
 
 def test_summary_means_stds_and_gap_closed():
     rows = [
-        _row("single", 1.0, 0),
-        _row("single", 0.8, 1),
-        _row("batchensemble", 0.7, 0),
-        _row("batchensemble", 0.7, 1),
-        _row("deep_ensemble", 0.5, 0),
-        _row("deep_ensemble", 0.5, 1),
+        _row("single", 1.0, 0, calibrated=0.9),
+        _row("single", 0.8, 1, calibrated=0.7),
+        _row("batchensemble", 0.7, 0, calibrated=0.7),
+        _row("batchensemble", 0.7, 1, calibrated=0.7),
+        _row("deep_ensemble", 0.5, 0, calibrated=0.5),
+        _row("deep_ensemble", 0.5, 1, calibrated=0.5),
     ]
     summary = {entry["method"]: entry for entry in summarize(rows)}
     single = summary["single"]["in_distribution"]["nll"]
     assert single["mean"] == pytest.approx(0.9)
     assert single["std"] == pytest.approx(np.std([1.0, 0.8], ddof=1))
-    # (0.9 - 0.7) / (0.9 - 0.5) of the gap, in distribution and under shift.
+    recalibrated = summary["single"]["recalibrated"]["in_distribution"]["nll"]
+    assert recalibrated["mean"] == pytest.approx(0.8)
+    assert summary["single"]["temperature"] == {"mean": 1.0, "std": 0.0}
+    assert summary["single"]["recalibrated"]["shift"][0]["severity"] == 1
+    # Recalibrated: (0.8 - 0.7) / (0.8 - 0.5) of the gap; as trained:
+    # (0.9 - 0.7) / (0.9 - 0.5), in distribution and under shift.
     assert summary["batchensemble"]["gap_closed"] == pytest.approx(
+        {"in_distribution": 1 / 3, "shift_mean": 1 / 3}
+    )
+    assert summary["batchensemble"]["gap_closed_as_trained"] == pytest.approx(
         {"in_distribution": 0.5, "shift_mean": 0.5}
     )
     assert "gap_closed" not in summary["single"]
 
 
-def test_summary_no_gap_when_the_deep_ensemble_is_no_better():
-    rows = [_row("single", 0.5), _row("batchensemble", 0.6), _row("deep_ensemble", 0.5)]
+@pytest.mark.parametrize("deep", [0.5, 0.6, 0.5 * (1 - MIN_GAP / 2)])
+def test_summary_no_gap_when_the_deep_ensemble_is_no_better(deep):
+    # No better, worse, or better by less than MIN_GAP of one model's NLL:
+    # a ratio over such a gap would print 125% or -1200% of noise.
+    rows = [
+        _row("single", 0.5),
+        _row("batchensemble", 0.6),
+        _row("deep_ensemble", deep),
+    ]
     entry = summarize(rows)[1]
     assert entry["gap_closed"] == {"in_distribution": None, "shift_mean": None}
+    text = format_quality(rows)
+    assert "deep ensemble no better than one model" in text
+    assert "%" not in text
+
+
+def test_format_quality_takes_rows_or_a_summary_and_names_the_best():
+    rows = [_row("single", 0.9), _row("batchensemble", 0.6), _row("deep_ensemble", 0.5)]
+    text = format_quality(rows)
+    assert text == format_quality(summarize(rows))
+    lines = text.splitlines()
+    best = [line for line in lines if line.startswith("best")]
+    assert len(best) == 2  # recalibrated, as trained
+    assert "deep_ensemble" in best[0] and "single" not in best[0]
 
 
 # ---------------------------------------------------------------- command
@@ -448,6 +578,10 @@ def test_quality_defaults_and_quick():
     tasks = cli._parse(["--quality", "--task", "digits,tabular", "--steps", "7"])
     assert (tasks.task, tasks.steps) == (("digits", "tabular"), 7)
     assert cli._parse(["--quality", "--seed", "5", "--seeds", "2"]).seed == 5
+    # --help says what --quick trains on, and that any example shape works.
+    text = " ".join(cli.build_parser().format_help().split())
+    assert "2,000 training sequences, not 8,000" in text
+    assert "a classifier of the task's examples" in text
 
 
 @pytest.mark.parametrize(
@@ -497,7 +631,12 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     assert status == 0
     printed = capsys.readouterr().out
     assert "cnn on MNIST-1D, E=4, 1 seed" in printed
-    assert "NLL / ECE by shift severity" in printed
+    assert "Recalibrated NLL / ECE by shift severity" in printed
+    # --quick trains on smaller sets, and says so.
+    assert (
+        "mnist1d: 2,000 training examples (--quick), 200 of them held out to fit "
+        "temperatures; 3 training steps per method"
+    ) in printed
     result = json.loads(out.read_text())
     assert result["config"]["quality"] is True
     assert result["versions"]["mnist1d"]
@@ -519,6 +658,11 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
             sorted(level) == sorted([*METRICS, "severity"]) for level in row["shift"]
         )
         assert sorted(row["shift_mean"]) == sorted(METRICS)
+        assert row["temperature"] > 0
+        assert (row["train_examples"], row["validation_examples"]) == (1800, 200)
+        recalibrated = row["recalibrated"]
+        assert sorted(recalibrated["in_distribution"]) == sorted(METRICS)
+        assert [lv["severity"] for lv in recalibrated["shift"]] == list(SEVERITIES)
         assert sorted(row["ood"]) == ["noise", "shuffled"]
         for scores in row["ood"].values():
             assert 0 <= scores["auroc_entropy"] <= 1
@@ -528,7 +672,7 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
                 assert 0 <= scores["auroc_mi"] <= 1
     summary = result["summary"]
     assert [entry["method"] for entry in summary] == list(QUALITY_METHODS)
-    assert "gap_closed" in summary[1]
+    assert "gap_closed" in summary[1] and "gap_closed_as_trained" in summary[1]
     assert plot.stat().st_size > 10_000
 
 
@@ -554,9 +698,10 @@ def test_every_task_runs_through_the_command(tmp_path, capsys):
     )
     assert status == 0
     printed = capsys.readouterr().out
-    assert "tabular: 2 training steps per method; cnn skipped (no use on tabular)" in (
-        printed
-    )
+    assert (
+        "tabular: 6,000 training examples, 600 of them held out to fit "
+        "temperatures; 2 training steps per method; cnn skipped (no use on tabular)"
+    ) in printed
     assert "cnn on digits (8x8), E=2, 1 seed" in printed
     rows = json.loads(out.read_text())["results"]
     assert {(row["task"], row["model"]) for row in rows} == {("digits", "cnn")}
@@ -569,3 +714,173 @@ def test_every_task_runs_through_the_command(tmp_path, capsys):
                 "fpr95_entropy",
                 "fpr95_mi",
             }
+
+
+# ------------------------------------------------------- a user's own data
+
+
+def _user_data(severities=(1, 4, 6, 7), classes=3, n=120):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 6)).astype(np.float32)
+    y = (np.argmax(x[:, :classes], axis=1)).astype(np.int32)
+    shifted = {
+        s: {
+            "noise": (x + 0.3 * s * rng.standard_normal(x.shape), y),
+            **({"offset": (x + 0.2 * s, y)} if s != 4 else {}),
+        }
+        for s in severities
+    }
+    return QualityData(
+        x[:80], y[:80], x[80:], y[80:], shifted, ood={"far": x[80:] + 10.0}
+    )
+
+
+def _tiny(rngs):
+    from flax import nnx
+
+    return nnx.Sequential(nnx.Linear(6, 3, rngs=rngs))
+
+
+def test_a_users_severities_and_families_are_all_reported(tmp_path):
+    # Severities other than 1..5 (and a severity with one family less): every
+    # one in the rows, in order, in the means, the tables and the plot.
+    from ensembles.benchmark import run_quality, write_quality_plot
+
+    data = _user_data()
+    rows = run_quality(
+        models=[_tiny],
+        members=[2],
+        steps=3,
+        data=data,
+        methods=["single", "batchensemble", "deep_ensemble"],
+    )
+    for row in rows:
+        for measured in (row, row["recalibrated"]):
+            assert [lv["severity"] for lv in measured["shift"]] == [1, 4, 6, 7]
+            assert measured["shift_mean"]["nll"] == pytest.approx(
+                np.mean([lv["nll"] for lv in measured["shift"]])
+            )
+    trained = train_method(
+        "single", _tiny, data.x_train, data.y_train, num_members=1, steps=3
+    )
+    level = evaluate(trained, data, x_valid=data.x_train, y_valid=data.y_train)[
+        "shift"
+    ][1]
+    x, y = data.shifted[4]["noise"]
+    assert level["nll"] == pytest.approx(
+        float(uncertainty.nll(trained.predict(x), y)), rel=1e-5
+    )
+    text = format_quality(rows)
+    assert "shift 1" in text and "shift 6" in text and "shift 7" in text
+    json.dumps(summarize(rows))  # the JSON of the command
+    write_quality_plot(rows, str(tmp_path / "mine.png"))
+    assert (tmp_path / "mine.png").stat().st_size > 10_000
+
+
+def _bad_data(**changes):
+    data = _user_data()
+    return {**dataclasses.asdict(data), **changes}
+
+
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        ({"shifted": {}}, ValueError, "`shifted` must map at least one severity"),
+        ({"shifted": {1: {}}}, ValueError, "`shifted[1]` must map at least one"),
+        ({"shifted": {(1,): None}}, TypeError, "severities (keys of `shifted`)"),
+        ({"x_test": None}, TypeError, "`x_test` must be a numpy (or JAX) array"),
+        ({"y_train": np.zeros(80, np.float32)}, TypeError, "integer class indices"),
+        ({"y_test": np.zeros(3, np.int32)}, ValueError, "`y_test` must have shape"),
+        ({"x_test": np.zeros((40, 7))}, ValueError, "examples of shape (7,)"),
+        ({"y_train": -np.ones(80, np.int32)}, ValueError, "labels >= 0, got -1"),
+        ({"ood": [np.zeros((4, 6))]}, TypeError, "`ood` must be a dict"),
+        ({"ood": {"far": np.zeros((4, 5))}}, ValueError, "`ood['far']` holds"),
+        ({"name": 3}, TypeError, "`name` must be a str"),
+    ],
+)
+def test_quality_data_is_checked_when_built(changes, error, message):
+    with pytest.raises(error) as raised:
+        QualityData(**_bad_data(**changes))
+    assert message in str(raised.value)
+
+
+def test_shifted_pairs_are_checked():
+    x, y = np.zeros((4, 6), np.float32), np.zeros(4, np.int32)
+    with pytest.raises(ValueError, match=r"`shifted\[2\]\['noise'\]\[1\]` must have"):
+        QualityData(**_bad_data(shifted={2: {"noise": (x, y[:3])}}))
+    with pytest.raises(ValueError, match="must be a pair"):
+        QualityData(**_bad_data(shifted={2: {"noise": x}}))
+
+
+def _no_training(monkeypatch):
+    import ensembles.benchmark.quality as quality
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a method trained before every check ran")
+
+    monkeypatch.setattr(quality, "train_method", refuse)
+
+
+def test_a_model_with_too_few_outputs_is_refused_before_training(monkeypatch):
+    from flax import nnx
+
+    from ensembles.benchmark import run_quality
+
+    _no_training(monkeypatch)
+    methods = ["single", "batchensemble"]
+
+    def two_logits(rngs):
+        return nnx.Sequential(nnx.Linear(6, 2, rngs=rngs))
+
+    with pytest.raises(ValueError) as raised:
+        run_quality(models=[two_logits], data=_user_data(), steps=2, methods=methods)
+    assert "gives 2 logits per example, but the data has 3 classes" in str(raised.value)
+
+    def flat(rngs):
+        linear = nnx.Linear(6, 3, rngs=rngs)
+        return lambda x: linear(x).reshape(-1)
+
+    with pytest.raises(ValueError, match=r"to logits \[N, classes\]; on N = 2 it gave"):
+        run_quality(models=[flat], data=_user_data(), steps=2, methods=methods)
+
+    def wrong_input(rngs):
+        return nnx.Sequential(nnx.Linear(40, 3, rngs=rngs))
+
+    with pytest.raises(ValueError, match="fails on a batch of the data's examples"):
+        run_quality(models=[wrong_input], data=_user_data(), steps=2, methods=methods)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"methods": ["single", "bagging"]}, "`methods` must be names from"),
+        ({"methods": ["single", "mc_dropout"]}, "must take a `dropout` keyword"),
+        ({"models": ["resnet"]}, "`model` must be one of"),
+        ({"data": "mnist1d"}, "`data` must be an `ensembles.benchmark.QualityData`"),
+    ],
+)
+def test_every_check_runs_before_any_training(monkeypatch, kwargs, message):
+    from ensembles.benchmark import run_quality
+
+    _no_training(monkeypatch)
+    options = {"models": [_tiny], "data": _user_data(), "steps": 2, **kwargs}
+    with pytest.raises((ValueError, TypeError)) as raised:
+        run_quality(**options)
+    assert message in str(raised.value)
+
+
+def test_a_factory_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    import sys
+
+    from ensembles.benchmark.models import load_factory
+
+    (tmp_path / "my_model_here.py").write_text(
+        "from flax import nnx\n"
+        "def build(rngs):\n"
+        "    return nnx.Sequential(nnx.Linear(40, 10, rngs=rngs))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    assert load_factory("my_model_here:build").__name__ == "build"
+    with pytest.raises(ValueError, match="add its folder to PYTHONPATH"):
+        load_factory("not_a_module_anywhere:build")

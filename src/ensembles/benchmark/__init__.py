@@ -28,7 +28,15 @@ from ensembles.benchmark.models import (
     build_model,
     model_inputs,
 )
-from ensembles.benchmark.quality import METRICS, evaluate, run_quality, summarize
+from ensembles.benchmark.quality import (
+    METRICS,
+    VALIDATION_FRACTION,
+    check_run,
+    evaluate,
+    run_quality,
+    split_validation,
+    summarize,
+)
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
     SHIFTS,
@@ -63,6 +71,7 @@ __all__ = [
     "QUALITY_MODELS",
     "SEVERITIES",
     "SHIFTS",
+    "VALIDATION_FRACTION",
     "MemoryStats",
     "Prepared",
     "QualityData",
@@ -71,6 +80,7 @@ __all__ = [
     "build_parser",
     "build_quality_model",
     "check_convertible",
+    "check_run",
     "evaluate",
     "format_quality",
     "interleaved_times",
@@ -83,6 +93,7 @@ __all__ = [
     "quartiles",
     "run_benchmark",
     "run_quality",
+    "split_validation",
     "summarize",
     "train_method",
     "write_quality_plot",

@@ -9,6 +9,8 @@ the user's model (with the shape of one example, ``input_shape``).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -185,6 +187,10 @@ def _width(name: str, width: int | None) -> int:
 def load_factory(reference: str) -> Callable[..., Any]:
     """Imports ``"package.module:factory"``: a user's model factory.
 
+    The working directory is searched first, as ``python -m`` and the
+    interpreter's prompt do, so ``--model mymodel:build`` finds
+    ``mymodel.py`` in the folder the command runs in.
+
     >>> from ensembles.benchmark.models import load_factory
     >>> load_factory("ensembles.benchmark.quality_models:build_quality_model")
     <function build_quality_model at ...>
@@ -204,10 +210,18 @@ def load_factory(reference: str) -> Callable[..., Any]:
         raise ValueError(
             f"a model factory is named 'package.module:factory', got {reference!r}"
         )
+    # A console script's sys.path starts with the script's folder, not the
+    # working directory that `python -m` would put there.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"cannot import {module_name!r}: {error}") from None
+        raise ValueError(
+            f"cannot import {module_name!r} (searched the working directory "
+            f"{os.getcwd()} and the installed packages; if it lives elsewhere, "
+            f"add its folder to PYTHONPATH): {error}"
+        ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ValueError(f"{module_name!r} has no callable {attribute!r}")

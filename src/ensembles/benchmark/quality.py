@@ -1,12 +1,19 @@
 """``ensembles-bench --quality``: what does an ensemble of E buy?
 
-It trains one model, a BatchEnsemble, a deep ensemble and MC dropout
-(:mod:`~ensembles.benchmark.quality_methods`) on MNIST-1D generated offline
-(:mod:`~ensembles.benchmark.quality_data`) and measures, with
-:mod:`ensembles.uncertainty`, their accuracy, NLL, ECE and Brier score in
-distribution and at five severities of shift, and how well total entropy and
-mutual information tell out-of-distribution sequences from test sequences
-(AUROC).
+It trains one model, a BatchEnsemble, a deep ensemble and the other methods
+(:mod:`~ensembles.benchmark.quality_methods`) on a task's training set
+(:mod:`~ensembles.benchmark.quality_tasks`, or a user's
+:class:`~ensembles.benchmark.quality_data.QualityData`) and measures, with
+:mod:`ensembles.uncertainty`, their accuracy, NLL, ECE, Brier score and AURC
+in distribution and at every severity of shift, and how well total entropy
+and mutual information tell out-of-distribution examples from test examples.
+
+Every method is measured twice: **as trained**, and **recalibrated**, with
+one temperature of its own (:func:`ensembles.uncertainty.fit_temperature`,
+pool then calibrate) fitted on a validation split held out of the training
+data, never the test set. The recalibrated figures are the fair comparison: a
+method that is only over- or underconfident gains from its temperature what
+any other would.
 """
 
 from __future__ import annotations
@@ -17,13 +24,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from ensembles import uncertainty
-from ensembles.benchmark.quality_data import (
-    SEVERITIES,
-    QualityData,
-    load_quality_data,
-)
+from ensembles.benchmark.quality_data import QualityData, load_quality_data
 from ensembles.benchmark.quality_methods import (
     FINETUNE_FRACTION,
     QUALITY_METHODS,
@@ -31,13 +35,96 @@ from ensembles.benchmark.quality_methods import (
     Trained,
     train_method,
 )
-from ensembles.benchmark.quality_models import ModelSpec, check_model, model_name
+from ensembles.benchmark.quality_models import (
+    ModelSpec,
+    build_model,
+    check_model,
+    model_name,
+)
 
-__all__ = ["METRICS", "evaluate", "run_quality", "summarize"]
+__all__ = [
+    "METRICS",
+    "MIN_GAP",
+    "VALIDATION_FRACTION",
+    "check_run",
+    "evaluate",
+    "run_quality",
+    "split_validation",
+    "summarize",
+]
 
 #: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`
 #: (``aurc``: the area under the risk-coverage curve, selective prediction).
 METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier", "aurc")
+
+#: The share of the training set held out (when the data has no validation
+#: set of its own) to fit every method's temperature on; no method trains on
+#: it.
+VALIDATION_FRACTION: float = 0.1
+
+#: "Gap closed" is only defined where the deep ensemble's NLL is lower than
+#: one model's by at least this share of one model's NLL: over a smaller gap
+#: the ratio is noise (a 0.001 gap makes 125% or -1200% of nothing).
+MIN_GAP: float = 0.02
+
+_SPLIT_SEED = 20261126  # the validation split is the same for every seed
+
+
+def split_validation(
+    data: QualityData, fraction: float = VALIDATION_FRACTION
+) -> tuple[QualityData, np.ndarray, np.ndarray]:
+    """The data to train on and the validation set to fit temperatures on.
+
+    A :class:`QualityData` with a validation set of its own (``x_valid``)
+    keeps it and trains on all of ``x_train``; otherwise ``fraction`` of the
+    training examples (a fixed, seeded choice, the same for every method and
+    seed) are held out and the rest train. The test and shifted sets are
+    never touched.
+
+    >>> import numpy as np
+    >>> from ensembles.benchmark.quality import split_validation
+    >>> from ensembles.benchmark.quality_data import load_quality_data
+    >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
+    >>> train, x_valid, y_valid = split_validation(data)
+    >>> train.x_train.shape, x_valid.shape
+    ((90, 40), (10, 40))
+
+    Args:
+      data: the task's data.
+      fraction: the share of ``x_train`` held out, in ``(0, 1)``.
+
+    Returns:
+      ``(data to train on, x_valid, y_valid)``.
+
+    Raises:
+      ValueError: if ``fraction`` leaves no example on either side.
+    """
+    if data.x_valid is not None:
+        return data, np.asarray(data.x_valid), np.asarray(data.y_valid)
+    count = len(data.x_train)
+    held = round(fraction * count)
+    if not 0 < held < count:
+        raise ValueError(
+            f"a validation fraction of {fraction} of {count} training examples "
+            f"holds out {held}: at least one must be held out and one left to "
+            f"train on. Give a larger training set, or a validation set of your "
+            f"own (`QualityData(..., x_valid=..., y_valid=...)`)."
+        )
+    order = np.random.default_rng(_SPLIT_SEED).permutation(count)
+    valid, train = np.sort(order[:held]), np.sort(order[held:])
+    x_train, y_train = np.asarray(data.x_train), np.asarray(data.y_train)
+    kept = QualityData(
+        x_train[train],
+        y_train[train],
+        data.x_test,
+        data.y_test,
+        data.shifted,
+        data.ood,
+        name=data.name,
+        x_valid=x_train[valid],
+        y_valid=y_train[valid],
+    )
+    return kept, x_train[valid], y_train[valid]
 
 
 def _metrics(logits: jax.Array, labels: np.ndarray) -> dict[str, float]:
@@ -53,34 +140,13 @@ def _ood(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> tuple:
     )
 
 
-def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
-    """Measures a trained method on every test set of ``data``.
-
-    Shift metrics at a severity are the means over the shift families of the
-    metrics of each family's set (as CIFAR-10-C results average over
-    corruptions).
-
-    Args:
-      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`.
-      data: from :func:`~ensembles.benchmark.quality_data.load_quality_data`.
-
-    Returns:
-      ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
-      metric: value, ...}, ...], "shift_mean": {metric: mean over
-      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a,
-      "fpr95_entropy": f, "fpr95_mi": f}}}``: how well total entropy and
-      mutual information tell the set from the test set (AUROC, and the
-      false-positive rate at 95% true positives). The ``_mi`` entries are
-      ``None`` where there is one member (``single``, or E = 1): its mutual
-      information is 0 everywhere.
-    """
-    logits_in = trained.predict(data.x_test)
+def _measure_sets(predict: Callable, data: QualityData, mutual_information: bool):
+    """Every set's metrics for one predictor of ``[E, N, C]`` logits."""
+    logits_in = predict(data.x_test)
     result: dict[str, Any] = {"in_distribution": _metrics(logits_in, data.y_test)}
     shift = []
-    for severity in SEVERITIES:
-        per_family = [
-            _metrics(trained.predict(x), y) for x, y in data.shifted[severity].values()
-        ]
+    for severity, families in data.shifted.items():
+        per_family = [_metrics(predict(x), y) for x, y in families.values()]
         shift.append(
             {
                 "severity": severity,
@@ -93,22 +159,149 @@ def evaluate(trained: Trained, data: QualityData) -> dict[str, Any]:
     }
     ood = {}
     for name, x in data.ood.items():
-        logits_out = trained.predict(x)
+        logits_out = predict(x)
         auroc_h, fpr_h = _ood(uncertainty.total_entropy, logits_in, logits_out)
-        if logits_in.shape[0] == 1:  # one member: mutual information is 0
-            auroc_mi = fpr_mi = None
-        else:
-            auroc_mi, fpr_mi = _ood(
-                uncertainty.mutual_information, logits_in, logits_out
-            )
-        ood[name] = {
-            "auroc_entropy": auroc_h,
-            "auroc_mi": auroc_mi,
-            "fpr95_entropy": fpr_h,
-            "fpr95_mi": fpr_mi,
-        }
+        scores = {"auroc_entropy": auroc_h, "fpr95_entropy": fpr_h}
+        if mutual_information:
+            if logits_in.shape[0] == 1:  # one member: mutual information is 0
+                auroc_mi = fpr_mi = None
+            else:
+                auroc_mi, fpr_mi = _ood(
+                    uncertainty.mutual_information, logits_in, logits_out
+                )
+            scores.update(auroc_mi=auroc_mi, fpr95_mi=fpr_mi)
+        ood[name] = scores
     result["ood"] = ood
     return result
+
+
+def evaluate(
+    trained: Trained,
+    data: QualityData,
+    *,
+    x_valid: np.ndarray,
+    y_valid: np.ndarray,
+) -> dict[str, Any]:
+    """Measures a trained method on every test set, as trained and recalibrated.
+
+    Shift metrics at a severity are the means over that severity's shift
+    families of the metrics of each family's set (as CIFAR-10-C results
+    average over corruptions). The recalibrated figures are those of the
+    method's pooled predictive at one temperature
+    (:func:`ensembles.uncertainty.scale_temperature`), fitted by
+    :func:`ensembles.uncertainty.fit_temperature` on ``(x_valid, y_valid)``
+    alone.
+
+    Args:
+      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`.
+      data: the test, shifted and out-of-distribution sets.
+      x_valid: held-out examples the method was not trained on (never test
+        examples), to fit the temperature on.
+      y_valid: their labels.
+
+    Returns:
+      ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
+      metric: value, ...}, ...], "shift_mean": {metric: mean over
+      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a,
+      "fpr95_entropy": f, "fpr95_mi": f}}, "temperature": T,
+      "recalibrated": {the same but for "ood": entropy only}}``. The
+      ``ood`` entries tell the set from the test set by total entropy and by
+      mutual information (AUROC, and the false-positive rate at 95% true
+      positives); the ``_mi`` entries are ``None`` where there is one member
+      (``single``, or E = 1): its mutual information is 0 everywhere.
+      Recalibration pools the members before scaling, so the members'
+      disagreement, and with it the mutual information, is that of the
+      method as trained: ``recalibrated["ood"]`` has the entropy scores only.
+    """
+    temperature = float(
+        uncertainty.fit_temperature(trained.predict(x_valid), np.asarray(y_valid))
+    )
+    result = _measure_sets(trained.predict, data, mutual_information=True)
+    result["temperature"] = temperature
+
+    def recalibrated(x: np.ndarray) -> jax.Array:
+        return uncertainty.scale_temperature(trained.predict(x), temperature)
+
+    result["recalibrated"] = _measure_sets(recalibrated, data, mutual_information=False)
+    return result
+
+
+def check_run(
+    models: Sequence[ModelSpec], methods: Sequence[str], data: QualityData
+) -> None:
+    """Raises unless every model can run every method on ``data``.
+
+    What :func:`run_quality` checks before anything trains (the command checks
+    every task's this way before the first trains): the methods' names, each
+    model's name or factory, and one abstract forward pass of each model (no
+    computation) on the data's examples, whose logits must be ``[N, C']``
+    with ``C'`` at least the data's classes.
+
+    Args:
+      models: names or factories, as for :func:`run_quality`.
+      methods: names of methods.
+      data: the data.
+
+    Raises:
+      ValueError: naming the method or model that cannot run, and why.
+      TypeError: if ``data`` is not a :class:`QualityData` or a model is
+        neither a name nor a factory.
+    """
+    if not isinstance(data, QualityData):
+        raise TypeError(
+            f"`data` must be an `ensembles.benchmark.QualityData` (or None for "
+            f"the standard MNIST-1D sets), got {type(data).__name__}."
+        )
+    unknown = [method for method in methods if method not in QUALITY_METHODS]
+    if unknown:
+        raise ValueError(
+            f"`methods` must be names from {list(QUALITY_METHODS)}, got {unknown!r}."
+        )
+    for model in models:
+        check_model(model, methods)
+        _check_outputs(model, data, methods)
+
+
+def _check_outputs(model: ModelSpec, data: QualityData, methods: Sequence[str]):
+    """One abstract forward pass: the model must give ``[N, C']``, ``C' >= C``."""
+    num_classes = data.num_classes
+    example = tuple(np.shape(data.x_train)[1:])
+    x = jax.ShapeDtypeStruct((2, *example), np.float32)
+    rates = (0.0, 0.1) if "mc_dropout" in methods else (0.0,)
+    for dropout in rates:
+
+        def forward(x, dropout=dropout):
+            net = build_model(
+                model,
+                input_shape=example,
+                num_classes=num_classes,
+                dropout=dropout,
+                rngs=nnx.Rngs(0),
+            )
+            return net(x)
+
+        try:
+            out = jax.eval_shape(forward, x)
+        except Exception as error:
+            raise ValueError(
+                f"the model {model_name(model)!r} fails on a batch of the data's "
+                f"examples (shape {x.shape}): {type(error).__name__}: {error}"
+            ) from error
+        shape = getattr(out, "shape", None)
+        if shape is None or len(shape) != 2 or shape[0] != 2:
+            raise ValueError(
+                f"the model {model_name(model)!r} must map a batch [N, "
+                f"{', '.join(map(str, example))}] of the data's examples to logits "
+                f"[N, classes]; on N = 2 it gave "
+                f"{shape if shape is not None else type(out).__name__}."
+            )
+        if shape[1] < num_classes:
+            raise ValueError(
+                f"the model {model_name(model)!r} gives {shape[1]} logits per "
+                f"example, but the data has {num_classes} classes (labels 0 to "
+                f"{num_classes - 1}): its output layer needs at least "
+                f"{num_classes} features."
+            )
 
 
 def run_quality(
@@ -123,6 +316,12 @@ def run_quality(
 ) -> list[dict[str, Any]]:
     """Trains and measures every method for every model, E and seed.
 
+    Every method trains on the training set less a validation split
+    (:func:`split_validation`), on which each fits its temperature. The rows
+    are per seed; :func:`summarize` gives means and standard deviations, and
+    :func:`~ensembles.benchmark.quality_report.format_quality` the tables
+    (of rows or of a summary).
+
     >>> from ensembles.benchmark.quality import run_quality
     >>> from ensembles.benchmark.quality_data import load_quality_data
     >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
@@ -132,19 +331,34 @@ def run_quality(
     [('single', 2, 0), ('batchensemble', 2, 0)]
     >>> sorted(rows[1]["in_distribution"])
     ['accuracy', 'aurc', 'brier', 'ece', 'nll']
-    >>> [level["severity"] for level in rows[1]["shift"]]
+    >>> [level["severity"] for level in rows[1]["recalibrated"]["shift"]]
     [1, 2, 3, 4, 5]
+    >>> rows[1]["temperature"] > 0, rows[1]["validation_examples"]
+    (True, 10)
 
     Your own classifier and data: a factory ``rngs -> nnx.Module`` (rows are
-    named after it) and a :class:`QualityData` of your arrays:
+    named after it) and a :class:`QualityData` of your arrays, with whatever
+    severities and shift families they have:
 
+    >>> import numpy as np
     >>> from flax import nnx
+    >>> from ensembles.benchmark import QualityData, format_quality
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((200, 6)).astype(np.float32)
+    >>> y = (x[:, 0] > 0).astype(np.int32)
+    >>> shifted = {s: {"noise": (x + s * rng.standard_normal(x.shape), y)}
+    ...            for s in (0.5, 1.0, 2.0)}
+    >>> mine = QualityData(x[:150], y[:150], x[150:], y[150:], shifted, ood={})
     >>> def tiny(rngs):
-    ...     return nnx.Sequential(nnx.Linear(40, 10, rngs=rngs))
-    >>> rows = run_quality(models=[tiny], members=[2], steps=4, data=data,
+    ...     return nnx.Sequential(nnx.Linear(6, 2, rngs=rngs))
+    >>> rows = run_quality(models=[tiny], members=[2], steps=4, data=mine,
     ...                    methods=["single", "finetuned"])
     >>> [(row["model"], row["method"], row["steps"]) for row in rows]
     [('tiny', 'single', 4), ('tiny', 'finetuned', 1)]
+    >>> [level["severity"] for level in rows[0]["shift"]]
+    [0.5, 1.0, 2.0]
+    >>> print(format_quality(rows))  # doctest: +ELLIPSIS
+    tiny on ..., E=2, 1 seed...
 
     Args:
       models: names from
@@ -159,28 +373,55 @@ def run_quality(
         trained ``single`` model of the same seed (trained once, whether or
         not ``single`` is in ``methods``) for ``FINETUNE_FRACTION`` of them,
         and its row's ``steps`` counts only those.
-      data: the data; ``None`` generates the standard sets
+      data: the data; ``None`` generates the standard MNIST-1D sets
         (:func:`~ensembles.benchmark.quality_data.load_quality_data`).
       progress: called with a status line before each training, and with
         ``""`` at the end.
 
     Returns:
-      One row (a dict) per model, E, seed and method: ``method``, ``model``,
-      ``members``, ``seed``, ``steps``, ``params``, ``train_s`` and the
-      measurements of :func:`evaluate`.
+      One row (a dict) per model, E, seed and method: ``task``, ``method``,
+      ``model``, ``members``, ``seed``, ``steps``, ``train_examples``,
+      ``validation_examples``, ``params``, ``train_s`` and the measurements
+      of :func:`evaluate`.
 
     Raises:
-      ValueError: if ``mc_dropout`` is asked of a factory without a
-        ``dropout`` keyword (checked before anything trains).
+      ValueError: if a method, a model or the data cannot run (an unknown
+        name, ``mc_dropout`` asked of a factory without a ``dropout``
+        keyword, a model whose outputs do not fit the data's classes): every
+        check runs before anything trains.
+      TypeError: if ``data`` is not a :class:`QualityData` or a model is
+        neither a name nor a factory.
     """
     show = progress or (lambda message: None)
     data = load_quality_data() if data is None else data
-    for model in models:  # refuse now, not after an hour of training
-        check_model(model, methods)
+    check_run(models, methods, data)  # refuse now, not after an hour of training
+    train_data, x_valid, y_valid = split_validation(data)
+    num_classes = data.num_classes
     finetune_steps = max(1, int(steps * FINETUNE_FRACTION))
     rows: list[dict[str, Any]] = []
     total = len(models) * len(members) * len(seeds) * len(methods)
     index = 0
+
+    def train(method, model, num_members, method_steps, seed, start=None):
+        return train_method(
+            method,
+            model,
+            train_data.x_train,
+            train_data.y_train,
+            num_members=num_members,
+            steps=method_steps,
+            seed=seed,
+            start=start,
+            num_classes=num_classes,
+        )
+
+    def measure(trained: Trained) -> dict[str, Any]:
+        return {
+            "params": trained.params,
+            "train_s": trained.train_s,
+            **evaluate(trained, data, x_valid=x_valid, y_valid=y_valid),
+        }
+
     # `single` does not depend on E: trained once per model and seed, its row
     # repeated for every E, and its model the start of `finetuned`.
     singles: dict[tuple[int, int], tuple[Trained, dict[str, Any]]] = {}
@@ -189,16 +430,8 @@ def run_quality(
         key = (id(model), seed)
         if key not in singles:
             show(f"{where}: training single ({steps} steps)")
-            trained = train_method(
-                "single",
-                model,
-                data.x_train,
-                data.y_train,
-                num_members=1,
-                steps=steps,
-                seed=seed,
-            )
-            singles[key] = (trained, _measure(trained, data))
+            trained = train("single", model, 1, steps, seed)
+            singles[key] = (trained, measure(trained))
         return singles[key]
 
     for model in models:
@@ -217,17 +450,10 @@ def run_quality(
                             start = single_of(model, seed, where)[0].model
                             method_steps = finetune_steps
                         show(f"{where}: training {method} ({method_steps} steps)")
-                        trained = train_method(
-                            method,
-                            model,
-                            data.x_train,
-                            data.y_train,
-                            num_members=num_members,
-                            steps=method_steps,
-                            seed=seed,
-                            start=start,
+                        trained = train(
+                            method, model, num_members, method_steps, seed, start
                         )
-                        measured = _measure(trained, data)
+                        measured = measure(trained)
                     rows.append(
                         {
                             "task": data.name,
@@ -236,19 +462,13 @@ def run_quality(
                             "members": num_members,
                             "seed": seed,
                             "steps": method_steps,
+                            "train_examples": len(train_data.x_train),
+                            "validation_examples": len(x_valid),
                             **measured,
                         }
                     )
     show("")
     return rows
-
-
-def _measure(trained: Trained, data: QualityData) -> dict[str, Any]:
-    return {
-        "params": trained.params,
-        "train_s": trained.train_s,
-        **evaluate(trained, data),
-    }
 
 
 def _mean_std(values: list[float | None]) -> dict[str, float | None]:
@@ -260,8 +480,32 @@ def _mean_std(values: list[float | None]) -> dict[str, float | None]:
     }
 
 
+def _aggregate(values: list[Any]) -> Any:
+    """Means and stds over seeds of a measurement tree (dicts, lists, numbers).
+
+    A ``"severity"`` entry is a label, kept as it is.
+    """
+    first = values[0]
+    if isinstance(first, dict):
+        return {
+            key: (
+                first[key]
+                if key == "severity"
+                else _aggregate([value[key] for value in values])
+            )
+            for key in first
+        }
+    if isinstance(first, list):
+        return [_aggregate([value[i] for value in values]) for i in range(len(first))]
+    return _mean_std(values)
+
+
+_IDENTITY = ("task", "method", "model", "members", "seed", "steps")
+_COUNTS = ("params", "train_examples", "validation_examples")
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Means and standard deviations over seeds, per model, E and method.
+    """Means and standard deviations over seeds, per task, model, E and method.
 
     >>> from ensembles.benchmark.quality import summarize
     >>> row = {"method": "single", "model": "mlp", "members": 4, "params": 10,
@@ -279,15 +523,17 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       rows: from :func:`run_quality`.
 
     Returns:
-      One dict per (task, model, E, method), in first-seen order, with ``seeds``
-      (how many), ``params`` and, for ``train_s`` and every measurement,
-      ``{"mean": m, "std": s}`` (sample standard deviation; 0 for one seed).
-      A ``gap_closed`` entry on ``batchensemble``, ``rank1`` and ``finetuned``
-      rows with a
-      single model and
-      a deep ensemble beside them gives the fraction of the NLL gap from one
-      model to the deep ensemble that it closes, in distribution and under
-      shift (mean over severities).
+      One dict per (task, model, E, method), in first-seen order, with
+      ``seeds`` (how many), ``params`` and, for ``train_s``, the temperature
+      and every measurement (as trained and ``recalibrated``), ``{"mean": m,
+      "std": s}`` (sample standard deviation; 0 for one seed). A
+      ``gap_closed`` entry on ``batchensemble``, ``rank1`` and ``finetuned``
+      rows with a single model and a deep ensemble beside them gives the
+      fraction of the NLL gap from one model to the deep ensemble that it
+      closes, in distribution and under shift (mean over severities),
+      recalibrated (``gap_closed``) and as trained
+      (``gap_closed_as_trained``); ``None`` where the deep ensemble is no
+      better than one model (by at least :data:`MIN_GAP` of its NLL).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -295,40 +541,19 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(key, []).append(row)
     summary = []
     for (task, model, members, method), group in groups.items():
+        measured = {
+            key: value
+            for key, value in group[0].items()
+            if key not in _IDENTITY and key not in _COUNTS
+        }
         entry: dict[str, Any] = {
             "task": task,
             "method": method,
             "model": model,
             "members": members,
             "seeds": len(group),
-            "params": group[0]["params"],
-            "train_s": _mean_std([row["train_s"] for row in group]),
-            "in_distribution": {
-                m: _mean_std([row["in_distribution"][m] for row in group])
-                for m in group[0]["in_distribution"]
-            },
-            "shift": [
-                {
-                    "severity": level["severity"],
-                    **{
-                        m: _mean_std([row["shift"][i][m] for row in group])
-                        for m in level
-                        if m != "severity"
-                    },
-                }
-                for i, level in enumerate(group[0]["shift"])
-            ],
-            "shift_mean": {
-                m: _mean_std([row["shift_mean"][m] for row in group])
-                for m in group[0]["shift_mean"]
-            },
-            "ood": {
-                name: {
-                    score: _mean_std([row["ood"][name][score] for row in group])
-                    for score in scores
-                }
-                for name, scores in group[0]["ood"].items()
-            },
+            **{key: group[0][key] for key in _COUNTS if key in group[0]},
+            **{key: _aggregate([row[key] for row in group]) for key in measured},
         }
         summary.append(entry)
     by_key = {(e["task"], e["model"], e["members"], e["method"]): e for e in summary}
@@ -340,16 +565,24 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         deep = by_key.get((*where, "deep_ensemble"))
         if single is None or deep is None:
             continue
-        entry["gap_closed"] = {
-            where: _gap_closed(single[where], entry[where], deep[where])
-            for where in ("in_distribution", "shift_mean")
-            if "nll" in entry[where]
-        }
+        for name, pick in (
+            ("gap_closed", lambda e: e.get("recalibrated")),
+            ("gap_closed_as_trained", lambda e: e),
+        ):
+            if any(pick(e) is None for e in (single, entry, deep)):
+                continue
+            entry[name] = {
+                part: _gap_closed(
+                    pick(single)[part], pick(entry)[part], pick(deep)[part]
+                )
+                for part in ("in_distribution", "shift_mean")
+                if "nll" in pick(entry).get(part, {})
+            }
     return summary
 
 
 def _gap_closed(single: dict, ensemble: dict, deep: dict) -> float | None:
     gap = single["nll"]["mean"] - deep["nll"]["mean"]
-    if gap <= 0:
+    if gap <= MIN_GAP * abs(single["nll"]["mean"]):
         return None  # the deep ensemble is no better: there is no gap to close
     return (single["nll"]["mean"] - ensemble["nll"]["mean"]) / gap

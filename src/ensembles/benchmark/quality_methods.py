@@ -160,6 +160,22 @@ def _optimizer(
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+def _reinit_first_layer(
+    net: nnx.Module, inits: tuple[Initializer, Initializer], key: jax.Array
+) -> None:
+    """Draws the first BatchEnsemble layer's ``r`` and ``s`` from ``inits``."""
+    first = next(
+        node
+        for _, node in nnx.iter_graph(net)
+        if isinstance(node, ensembles.layers.BatchEnsembleModule)
+    )
+    r_key, s_key = jax.random.split(key)
+    for variable, init, init_key in zip(
+        (first.r, first.s), inits, (r_key, s_key), strict=True
+    ):
+        variable[...] = init(init_key, variable.shape, variable.dtype)
+
+
 def train_method(
     method: str,
     model: ModelSpec,
@@ -177,15 +193,19 @@ def train_method(
     kl_annealing: float = KL_ANNEALING,
     eval_draws: int = EVAL_DRAWS,
     start: nnx.Module | None = None,
+    num_classes: int | None = None,
+    first_layer_init: tuple[Initializer, Initializer] | None = None,
+    diversity: float = 0.0,
 ) -> Trained:
     """Builds and trains one method; see the module docs for the recipes.
 
-    The arguments from ``fast_weight_init`` to ``eval_draws`` vary
-    ``batchensemble``'s and ``rank1``'s recipes (the benchmark keeps their
-    defaults; ``benchmarks/quality_recipe.py`` and
-    ``benchmarks/quality_defaults.py`` measure them). A name of
+    The arguments from ``fast_weight_init`` to ``eval_draws``,
+    ``first_layer_init`` and ``diversity`` vary ``batchensemble``'s and
+    ``rank1``'s recipes (the benchmark keeps their defaults;
+    ``benchmarks/quality_recipe.py``, ``benchmarks/quality_defaults.py`` and
+    ``benchmarks/diversity_study.py`` measure them). A name of
     ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
-    and classes (the largest label + 1).
+    and ``num_classes`` classes.
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality_methods import train_method
@@ -220,6 +240,17 @@ def train_method(
         as a member of the predictive (``[E * draws, N, C]`` logits).
       start: ``finetuned`` only: the trained ``single`` model it starts from
         (not changed).
+      num_classes: the classes a named model is built for (``None``: the
+        largest training label + 1).
+      first_layer_init: ``(r_init, s_init)`` of the first BatchEnsemble layer
+        (in the model's graph order, its first layer for an
+        ``nnx.Sequential``), the others keeping ``fast_weight_init`` (TabM's
+        recipe: random signs for the first layer's ``r``, ones elsewhere);
+        ``None``: every layer alike.
+      diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
+        Buschjaeger et al., 2020): ``diversity`` times the mean squared
+        distance of each member's softmax from the members' mean is
+        subtracted from the loss, pushing members apart; 0: none.
 
     Returns:
       The :class:`Trained` method.
@@ -245,7 +276,9 @@ def train_method(
     x_all, y_all = jnp.asarray(x_train), jnp.asarray(y_train)
     shape = {
         "input_shape": tuple(np.shape(x_train)[1:]),
-        "num_classes": int(np.max(y_train)) + 1,
+        "num_classes": (
+            int(np.max(y_train)) + 1 if num_classes is None else num_classes
+        ),
     }
     count = len(x_train)
     batch = min(BATCH_SIZE, count)
@@ -302,6 +335,8 @@ def train_method(
             rngs=nnx.Rngs(fast_key),
             **inits,
         )
+        if first_layer_init is not None:
+            _reinit_first_layer(net, first_layer_init, jax.random.fold_in(root, 3))
         kl_weight = optax.linear_schedule(
             0.0, 1.0, transition_steps=max(1, int(kl_annealing * steps))
         )
@@ -312,7 +347,12 @@ def train_method(
                 x = ensembles.tile(x, E)
             else:
                 x, y = draw(key, E)  # B examples of its own per member
-            loss = ensembles.training.cross_entropy(model(x), y, num_members=E)
+            logits = model(x)
+            loss = ensembles.training.cross_entropy(logits, y, num_members=E)
+            if diversity:
+                probs = jax.nn.softmax(ensembles.untile(logits, E), axis=-1)
+                spread = jnp.sum((probs - probs.mean(axis=0)) ** 2, axis=-1)
+                loss = loss - diversity * jnp.mean(spread)
             if method == "rank1":
                 kl = ensembles.kl_divergence(model)
                 loss = loss + kl_weight(step) * kl / count

@@ -1,33 +1,58 @@
-"""Tables and plot of ``ensembles-bench --quality`` (from :func:`summarize`).
+"""Tables and plot of ``ensembles-bench --quality``.
 
 Every cell is a mean over seeds, followed by the standard deviation over seeds
-when there are several.
+when there are several. The first table of a task, model and E is the fair
+comparison: every method after its own temperature, fitted on held-out
+training data; the second gives the figures as trained.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ensembles.benchmark.quality_data import SEVERITIES
 from ensembles.benchmark.report import render_table
 
 __all__ = ["format_quality", "write_quality_plot"]
 
-# (header, where in a summary entry, metric); "shift" = mean over severities.
-_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("acc", "in_distribution", "accuracy"),
-    ("NLL", "in_distribution", "nll"),
-    ("ECE", "in_distribution", "ece"),
-    ("Brier", "in_distribution", "brier"),
-    ("AURC", "in_distribution", "aurc"),
-    ("shift acc", "shift_mean", "accuracy"),
-    ("shift NLL", "shift_mean", "nll"),
-    ("shift ECE", "shift_mean", "ece"),
+# (header, where in a summary entry, metric, higher is better);
+# "shift" = mean over severities.
+_RECALIBRATED: tuple[tuple[str, str, str, bool], ...] = (
+    ("acc", "in_distribution", "accuracy", True),
+    ("NLL", "in_distribution", "nll", False),
+    ("ECE", "in_distribution", "ece", False),
+    ("Brier", "in_distribution", "brier", False),
+    ("shift acc", "shift_mean", "accuracy", True),
+    ("shift NLL", "shift_mean", "nll", False),
+    ("shift ECE", "shift_mean", "ece", False),
+)
+_AS_TRAINED: tuple[tuple[str, str, str, bool], ...] = (
+    ("NLL", "in_distribution", "nll", False),
+    ("ECE", "in_distribution", "ece", False),
+    ("Brier", "in_distribution", "brier", False),
+    ("AURC", "in_distribution", "aurc", False),
+    ("shift NLL", "shift_mean", "nll", False),
+    ("shift ECE", "shift_mean", "ece", False),
+)
+# (header suffix, key, higher is better) of each out-of-distribution set.
+_OOD: tuple[tuple[str, str, bool], ...] = (
+    ("AUROC H", "auroc_entropy", True),
+    ("AUROC MI", "auroc_mi", True),
+    ("FPR95 H", "fpr95_entropy", False),
+    ("FPR95 MI", "fpr95_mi", False),
 )
 
+#: How a task is named in titles.
+_TASK_NAMES = {
+    "mnist1d": "MNIST-1D",
+    "digits": "digits (8x8)",
+    "tabular": "tabular",
+    "mnist1d_harsh": "MNIST-1D (harsh shifts)",
+}
 
-def _cell(stats: dict[str, float | None], seeds: int) -> str:
-    if stats["mean"] is None:
+
+def _cell(stats: dict[str, float | None] | None, seeds: int) -> str:
+    if stats is None or stats["mean"] is None:
         return "n/a"
     text = f"{stats['mean']:.3f}"
     return f"{text} ± {stats['std']:.3f}" if seeds > 1 else text
@@ -41,45 +66,86 @@ def _groups(summary: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     return groups
 
 
-def _main_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    ood_sets = list(group[0]["ood"])
-    header = ["method", "params", "train s", *(c[0] for c in _COLUMNS)]
-    for name in ood_sets:
-        header += [
-            f"{name} AUROC H",
-            f"{name} AUROC MI",
-            f"{name} FPR95 H",
-            f"{name} FPR95 MI",
+def _best_row(group, columns) -> list[str]:
+    """The best method of each column: ``columns`` are ``(stats_of, higher)``."""
+    cells = []
+    for stats_of, higher in columns:
+        scored = [
+            (stats["mean"], entry["method"])
+            for entry in group
+            if (stats := stats_of(entry)) is not None and stats["mean"] is not None
         ]
-    rows = []
-    for entry in group:
-        seeds = entry["seeds"]
-        cells = [
+        if len(scored) < 2:
+            cells.append("")
+            continue
+        best = (max if higher else min)(value for value, _ in scored)
+        winners = [method for value, method in scored if value == best]
+        cells.append("(tie)" if len(winners) == len(scored) else ", ".join(winners))
+    return cells
+
+
+def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
+    header = ["method", "params", "train s", "T", *(c[0] for c in _RECALIBRATED)]
+    columns = [
+        (
+            lambda e, where=where, metric=metric: e["recalibrated"][where].get(metric),
+            high,
+        )
+        for _, where, metric, high in _RECALIBRATED
+    ]
+    rows = [
+        [
             entry["method"],
             f"{entry['params']:,}",
             f"{entry['train_s']['mean']:.1f}",
-            *(_cell(entry[where][metric], seeds) for _, where, metric in _COLUMNS),
+            _cell(entry["temperature"], entry["seeds"]),
+            *(_cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
         ]
-        for name in ood_sets:
-            scores = entry["ood"][name]
-            cells += [
-                _cell(scores[key], seeds)
-                for key in ("auroc_entropy", "auroc_mi", "fpr95_entropy", "fpr95_mi")
-            ]
-        rows.append(cells)
-    return header, rows
+        for entry in group
+    ]
+    return header, [*rows, ["best", "", "", "", *_best_row(group, columns)]]
 
 
-def _severity_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "test", *(f"shift {s}" for s in SEVERITIES)]
+def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
+    ood_sets = list(group[0]["ood"])
+    header = ["method", *(c[0] for c in _AS_TRAINED)]
+    columns = [
+        (lambda e, where=where, metric=metric: e[where].get(metric), high)
+        for _, where, metric, high in _AS_TRAINED
+    ]
+    for name in ood_sets:
+        header += [f"{name} {suffix}" for suffix, _, _ in _OOD]
+        columns += [
+            (lambda e, name=name, key=key: e["ood"][name].get(key), high)
+            for _, key, high in _OOD
+        ]
+    rows = [
+        [
+            entry["method"],
+            *(_cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
+        ]
+        for entry in group
+    ]
+    return header, [*rows, ["best", *_best_row(group, columns)]]
+
+
+def _severity_table(group, part: str | None) -> tuple[list[str], list[list[str]]]:
+    def of(entry):
+        return entry if part is None else entry[part]
+
+    header = [
+        "method",
+        "test",
+        *(f"shift {lv['severity']}" for lv in of(group[0])["shift"]),
+    ]
     rows = []
     for entry in group:
-        levels = [entry["in_distribution"], *entry["shift"]]
+        levels = [of(entry)["in_distribution"], *of(entry)["shift"]]
         rows.append(
             [
                 entry["method"],
                 *(
-                    f"{lv['nll']['mean']:.3f} / {lv['ece']['mean']:.3f}"
+                    f"{_mean(lv, 'nll')} / {_mean(lv, 'ece')}"
                     for lv in levels
                 ),
             ]
@@ -87,13 +153,9 @@ def _severity_table(group: list[dict[str, Any]]) -> tuple[list[str], list[list[s
     return header, rows
 
 
-#: How a task is named in titles.
-_TASK_NAMES = {
-    "mnist1d": "MNIST-1D",
-    "digits": "digits (8x8)",
-    "tabular": "tabular",
-    "mnist1d_harsh": "MNIST-1D (harsh shifts)",
-}
+def _mean(level: dict[str, Any], metric: str) -> str:
+    stats = level.get(metric)
+    return "n/a" if stats is None or stats["mean"] is None else f"{stats['mean']:.3f}"
 
 
 def _title(group: list[dict[str, Any]]) -> str:
@@ -106,131 +168,176 @@ def _title(group: list[dict[str, Any]]) -> str:
     )
 
 
-def _gap_line(group: list[dict[str, Any]]) -> str:
+def _gap_lines(group: list[dict[str, Any]]) -> str:
     lines = []
     for entry in group:
-        gap = entry.get("gap_closed")
-        if gap:
+        for key, label in (
+            ("gap_closed", "recalibrated"),
+            ("gap_closed_as_trained", "as trained"),
+        ):
+            gap = entry.get(key)
+            if not gap:
+                continue
             parts = [
-                f"{label} {gap[key]:.0%}"
-                if gap.get(key) is not None
-                else f"{label} n/a"
-                for key, label in (
+                f"{where_label} {gap[where]:.0%}"
+                if gap.get(where) is not None
+                else f"{where_label}: deep ensemble no better than one model"
+                for where, where_label in (
                     ("in_distribution", "in distribution"),
                     ("shift_mean", "under shift"),
                 )
+                if where in gap
             ]
             lines.append(
-                f"{entry['method']} closes this much of the NLL gap from single "
-                "to deep_ensemble: " + ", ".join(parts) + "."
+                f"{entry['method']} closes this much of the {label} NLL gap from "
+                "single to deep_ensemble: " + ", ".join(parts) + "."
             )
     return "\n".join(lines)
 
 
-def format_quality(summary: list[dict[str, Any]], *, markdown: bool = False) -> str:
-    """The quality tables: metrics per method, then NLL / ECE per severity.
+def _summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``results`` as a summary: rows of ``run_quality`` are summarised."""
+    from ensembles.benchmark.quality import summarize
 
-    >>> from ensembles.benchmark.quality import summarize
+    results = list(results)
+    if results and "seeds" not in results[0]:
+        return summarize(results)
+    return results
+
+
+def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
+    """The quality tables: recalibrated, as trained, then NLL / ECE per severity.
+
+    Takes the rows of :func:`~ensembles.benchmark.quality.run_quality` (it
+    summarises them) or their :func:`~ensembles.benchmark.quality.summarize`.
+    The last row of each table names the best method of each column.
+
     >>> from ensembles.benchmark.quality_report import format_quality
     >>> def row(method, nll):
     ...     metrics = {"accuracy": 0.9, "nll": nll, "ece": 0.02, "brier": 0.1,
     ...                "aurc": 0.05}
-    ...     return {"method": method, "model": "cnn", "members": 4, "params": 10,
-    ...             "train_s": 1.0, "in_distribution": metrics,
-    ...             "shift": [{"severity": s, **metrics} for s in range(1, 6)],
-    ...             "shift_mean": metrics,
+    ...     measured = {"in_distribution": metrics,
+    ...                 "shift": [{"severity": s, **metrics} for s in (1, 2)],
+    ...                 "shift_mean": metrics}
+    ...     return {"method": method, "model": "cnn", "members": 4, "seed": 0,
+    ...             "params": 10, "train_s": 1.0, **measured,
     ...             "ood": {"noise": {"auroc_entropy": 0.7,
     ...                               "auroc_mi": None if method == "single"
     ...                               else 0.8, "fpr95_entropy": 0.5,
     ...                               "fpr95_mi": None if method == "single"
-    ...                               else 0.4}}}
-    >>> summary = summarize([row("single", 0.3), row("batchensemble", 0.2),
-    ...                      row("deep_ensemble", 0.1)])
-    >>> print(format_quality(summary, markdown=True))
+    ...                               else 0.4}},
+    ...             "temperature": 1.0, "recalibrated": measured}
+    >>> rows = [row("single", 0.3), row("batchensemble", 0.2),
+    ...         row("deep_ensemble", 0.1)]
+    >>> print(format_quality(rows, markdown=True))
     **cnn on MNIST-1D, E=4, 1 seed**
     <BLANKLINE>
-    | method | params | train s | acc | NLL | ECE | Brier | AURC | shift acc | ...
+    Recalibrated: every method at its own temperature T, fitted on held-out ...
+    <BLANKLINE>
+    | method | params | train s | T | acc | NLL | ECE | Brier | shift acc | ...
     |:---|---:|---:|...
-    | single | 10 | 1.0 | 0.900 | 0.300 | 0.020 | ... | 0.700 | n/a | 0.500 | n/a |
-    | batchensemble | 10 | 1.0 | 0.900 | 0.200 | ... | 0.700 | 0.800 | 0.500 | 0.400 |
+    | single | 10 | 1.0 | 1.000 | 0.900 | 0.300 | 0.020 | ...
+    | batchensemble | 10 | 1.0 | 1.000 | 0.900 | 0.200 | ...
     | deep_ensemble | ...
+    | best | | | | single, batchensemble, deep_ensemble | deep_ensemble | ...
     <BLANKLINE>
-    batchensemble closes ... NLL gap ...: in distribution 50%, under shift 50%.
+    batchensemble closes ... recalibrated NLL gap ...: in distribution 50%, ...
+    batchensemble closes this much of the as trained NLL gap ...
     <BLANKLINE>
-    NLL / ECE by shift severity (test = in distribution):
-    <BLANKLINE>
-    | method | test | shift 1 | shift 2 | shift 3 | shift 4 | shift 5 |
-    |:---|---:|---:|---:|---:|---:|---:|
-    | single | 0.300 / 0.020 | 0.300 / 0.020 | ...
+    As trained:
     ...
 
     Args:
-      summary: from :func:`~ensembles.benchmark.quality.summarize`.
+      results: rows from :func:`~ensembles.benchmark.quality.run_quality`, or
+        their summary.
       markdown: Markdown tables instead of aligned text.
 
     Returns:
-      The tables, one pair per model and E.
+      The tables, one set per task, model and E.
     """
     blocks = []
-    for group in _groups(summary).values():
+    for group in _groups(_summary_of(results)).values():
         title = f"**{_title(group)}**" if markdown else _title(group)
+        held = group[0].get("validation_examples")
         block = [
             title,
             "",
-            render_table(*_main_table(group), markdown=markdown, left=0),
+            "Recalibrated: every method at its own temperature T, fitted on "
+            + (f"{held:,} " if held else "")
+            + "held-out training examples (never the test set):",
+            "",
+            render_table(*_recalibrated_table(group), markdown=markdown, left=0),
         ]
-        gap = _gap_line(group)
+        gap = _gap_lines(group)
         if gap:
             block += ["", gap]
         block += [
             "",
-            "NLL / ECE by shift severity (test = in distribution):",
+            "As trained:",
             "",
-            render_table(*_severity_table(group), markdown=markdown, left=0),
+            render_table(*_as_trained_table(group), markdown=markdown, left=0),
+            "",
+            "Recalibrated NLL / ECE by shift severity (test = in distribution):",
+            "",
+            render_table(
+                *_severity_table(group, "recalibrated"), markdown=markdown, left=0
+            ),
+            "",
+            "As trained, NLL / ECE by shift severity:",
+            "",
+            render_table(*_severity_table(group, None), markdown=markdown, left=0),
         ]
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)
 
 
-def write_quality_plot(summary: list[dict[str, Any]], path: str) -> None:
+def write_quality_plot(results: Sequence[dict[str, Any]], path: str) -> None:
     """Plots accuracy, NLL and ECE against shift severity, per method.
 
-    One row of three panels per model and E; severity 0 is the
-    in-distribution test set; error bars are standard deviations over seeds.
+    One row of five panels per task, model and E: accuracy, then NLL and ECE
+    recalibrated (each method at its own temperature) and as trained;
+    position 0 is the in-distribution test set, then the data's severities in
+    order; error bars are standard deviations over seeds.
 
     Args:
-      summary: from :func:`~ensembles.benchmark.quality.summarize`.
+      results: rows from :func:`~ensembles.benchmark.quality.run_quality`, or
+        their summary.
       path: the PNG to write.
     """
     from matplotlib.figure import Figure
 
-    groups = _groups(summary)
-    figure = Figure(figsize=(13, 3.8 * len(groups)), layout="constrained")
-    axes = figure.subplots(len(groups), 3, squeeze=False)
-    levels = [0, *SEVERITIES]
+    groups = _groups(_summary_of(results))
+    figure = Figure(figsize=(20, 3.9 * len(groups)), layout="constrained")
+    axes = figure.subplots(len(groups), 5, squeeze=False)
+    panels = (
+        (None, "accuracy", "accuracy"),
+        ("recalibrated", "nll", "NLL, recalibrated"),
+        ("recalibrated", "ece", "ECE, recalibrated"),
+        (None, "nll", "NLL, as trained"),
+        (None, "ece", "ECE, as trained"),
+    )
     for row_axes, group in zip(axes, groups.values(), strict=True):
-        for ax, (metric, label) in zip(
-            row_axes,
-            (("accuracy", "accuracy"), ("nll", "NLL (nats)"), ("ece", "ECE")),
-            strict=True,
-        ):
+        severities = [level["severity"] for level in group[0]["shift"]]
+        positions = list(range(len(severities) + 1))
+        for ax, (part, metric, label) in zip(row_axes, panels, strict=True):
             for entry in group:
-                stats = [entry["in_distribution"][metric]] + [
-                    level[metric] for level in entry["shift"]
+                measured = entry if part is None else entry[part]
+                stats = [measured["in_distribution"][metric]] + [
+                    level[metric] for level in measured["shift"]
                 ]
                 ax.errorbar(
-                    levels,
+                    positions,
                     [s["mean"] for s in stats],
                     yerr=[s["std"] for s in stats],
                     marker="o",
                     capsize=3,
                     label=entry["method"],
                 )
-            ax.set_xticks(levels)
-            ax.set_xticklabels(["test", *map(str, SEVERITIES)])
+            ax.set_xticks(positions)
+            ax.set_xticklabels(["test", *map(str, severities)])
             ax.set_xlabel("shift severity")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             ax.set_title(f"{label}\n{_title(group)}", fontsize=9)
         row_axes[1].legend(fontsize=8)
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)

@@ -375,7 +375,7 @@ def test_main_json_and_table(capsys, tmp_path):
                 row["params"] / best["params"]
             )
             assert row["memory_ratio_to_deep_ensemble"] == pytest.approx(
-                row["total_bytes"] / best["total_bytes"]
+                row["total_bytes"] / vmap["total_bytes"]
             )
             # The table prints those ratios, and names the deep ensemble.
             line = next(
@@ -388,6 +388,7 @@ def test_main_json_and_table(capsys, tmp_path):
         name = "vmap" if best["method"] == "deep_ensemble" else "loop"
         title = out.split(f"linear {mode}:")[1].splitlines()[0]
         assert f"against the faster deep ensemble (E=2: {name})" in title
+        assert "'memory/vmap deep' against the vmapped one" in title
 
 
 def test_main_markdown_and_plot(capsys, tmp_path):

@@ -44,9 +44,9 @@ _COLUMNS = (
     "x 1 on B",
     "vs deep",
     "params",
-    "/deep",
+    "params/deep",
     "memory MiB",
-    "/deep",
+    "memory/vmap deep",
 )
 
 
@@ -86,7 +86,11 @@ def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
             f"E={e}: {'vmap' if b == 'deep_ensemble' else 'loop'}"
             for e, b in best.items()
         )
-        title += f"; 'vs deep' and '/deep' against the faster deep ensemble ({named})"
+        title += (
+            f"; 'vs deep' and 'params/deep' against the faster deep ensemble "
+            f"({named}), 'memory/vmap deep' against the vmapped one (all E "
+            f"models in one step)"
+        )
     return title
 
 

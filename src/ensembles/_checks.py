@@ -8,11 +8,140 @@ from __future__ import annotations
 
 import numbers
 import operator
+import reprlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message: its short repr and, unless None, its type."""
+    if value is None:
+        return "None"
+    return f"{reprlib.repr(value)} of type {type(value).__name__}"
+
+
+def check_bool(value: Any, name: str, *, optional: bool = False) -> bool | None:
+    """Returns ``value`` as a ``bool`` if it is a Python or numpy bool, else raises.
+
+    Any other value (``"no"``, ``1``, ``None``, an array) would be read as its
+    truthiness: ``share_weights="no"`` would mean True. With ``optional``,
+    ``None`` is accepted too and returned as it is (an option left unset).
+
+    >>> import numpy as np
+    >>> from ensembles._checks import check_bool
+    >>> check_bool(np.True_, "use_bias")
+    True
+    >>> check_bool("no", "use_bias")
+    Traceback (most recent call last):
+      ...
+    TypeError: `use_bias` must be a bool (True or False), got 'no' of type str: any other value would be read as its truthiness.
+    """  # noqa: E501
+    if optional and value is None:
+        return None
+    if not isinstance(value, bool | np.bool_):
+        allowed = "True, False or None" if optional else "True or False"
+        raise TypeError(
+            f"`{name}` must be a bool ({allowed}), got {_shown(value)}: any other "
+            f"value would be read as its truthiness."
+        )
+    return bool(value)
+
+
+def check_initializer(value: Any, name: str) -> Any:
+    """Checks that ``value`` is an initializer: a callable ``(key, shape, dtype)``.
+
+    Called where a layer (or a conversion) receives it, before anything is
+    drawn, so that ``r_init=1.0`` names ``r_init`` instead of failing inside
+    with "'float' object is not callable".
+    """
+    if not callable(value):
+        example = _INITIALIZER_EXAMPLES.get(name, "nnx.initializers.zeros_init()")
+        raise TypeError(
+            f"`{name}` must be an initializer, a function `(key, shape, dtype) -> "
+            f"array`, got {_shown(value)}: pass e.g. `{example}`."
+        )
+    return value
+
+
+_INITIALIZER_EXAMPLES = {
+    "r_init": "ensembles.initializers.ones()",
+    "s_init": "ensembles.initializers.ones()",
+    "stddev_init": "ensembles.initializers.unconstrained_stddev()",
+    "kernel_init": "nnx.initializers.lecun_normal()",
+    "bias_init": "nnx.initializers.zeros_init()",
+    "scale_init": "nnx.initializers.ones_init()",
+}
+
+
+def check_array(value: Any, name: str, *, what: str = "an array") -> Any:
+    """Returns ``value`` unchanged if it is an array of numbers, else raises.
+
+    Accepted: a ``jax.Array`` (tracers included), anything JAX converts itself
+    (``__jax_array__``, e.g. an ``nnx.Param``), and whatever numpy reads as an
+    array of bools or numbers (numpy arrays and scalars, Python numbers, nested
+    lists of them). Refused with a ``TypeError`` naming ``name``: ``None``,
+    strings, and anything numpy would hold as objects, where JAX would fail
+    later with "None is not a valid value for jnp.array". Nothing is converted:
+    see :func:`as_array` for the ``jax.Array``.
+
+    Args:
+      value: what the caller passed.
+      name: the argument's name, for the error.
+      what: what the argument must be, for the error (e.g. "a JAX random key
+        (`jax.random.key(0)`)").
+
+    Returns:
+      ``value`` itself.
+
+    Raises:
+      TypeError: if ``value`` is not an array of numbers.
+    """
+    if isinstance(value, jax.Array) or hasattr(value, "__jax_array__"):
+        return value
+    dtype = None
+    if value is not None and not isinstance(value, str | bytes):
+        try:
+            dtype = np.asarray(value).dtype
+        except (TypeError, ValueError):
+            dtype = None
+    if dtype is None or dtype.kind not in "biufc":
+        shown = _shown(value) if dtype is None else f"{_shown(value)} (dtype {dtype})"
+        raise TypeError(
+            f"`{name}` must be {what}, got {shown}: pass a jax.Array or a numpy "
+            f"array of numbers."
+        )
+    return value
+
+
+def as_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:
+    """``jnp.asarray(value)`` after :func:`check_array` (the error names ``name``).
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles._checks import as_array
+    >>> as_array([1.0, 2.0], "logits")
+    Array([1., 2.], dtype=float32)
+    >>> as_array(None, "logits")
+    Traceback (most recent call last):
+      ...
+    TypeError: `logits` must be an array, got None: pass a jax.Array or a numpy array of numbers.
+    """  # noqa: E501
+    return jnp.asarray(check_array(value, name, what=what))
+
+
+def as_operands(
+    inputs: Any, kernel: Any, r: Any, s: Any, bias: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """A BatchEnsemble op's arrays, each through :func:`as_array` (bias: or None)."""
+    return (
+        as_array(inputs, "inputs"),
+        as_array(kernel, "kernel"),
+        as_array(r, "r"),
+        as_array(s, "s"),
+        None if bias is None else as_array(bias, "bias"),
+    )
 
 
 def check_positive_int(value: Any, name: str) -> int:
@@ -78,6 +207,20 @@ def check_member_batch(
             f"un-tiled batch with `ensembles.tile(x, {num_members})`."
         )
     return leading // num_members
+
+
+def add_batch_axis_fix(num_members: int) -> str:
+    """How to give ``inputs`` the batch axis they lack: tiled for E > 1 only.
+
+    With one member (a member view, ``nnx.view(layer, member=k)``) the batch
+    is the member's own and needs no tiling.
+    """
+    if num_members == 1:
+        return "Add a batch axis, e.g. `inputs[None]`."
+    return (
+        f"Add a batch axis, e.g. `inputs[None]`, and tile it with "
+        f"`ensembles.tile(inputs, {num_members})`."
+    )
 
 
 def check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
@@ -156,9 +299,11 @@ def check_labels(labels: Any, num_classes: int, hint: str = "") -> jax.Array:
       ``labels`` as an int32 (or int64) ``jax.Array`` of the same shape.
 
     Raises:
-      TypeError: if ``labels`` are not integers (bools included).
+      TypeError: if ``labels`` are not an array (e.g. ``None``) or not
+        integers (bools included).
       ValueError: if a known label lies outside ``[0, num_classes)``.
     """
+    labels = check_array(labels, "labels")
     dtype = getattr(labels, "dtype", None)
     dtype = np.dtype(dtype if dtype is not None else np.asarray(labels).dtype)
     if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):

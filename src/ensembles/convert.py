@@ -23,7 +23,12 @@ from flax import nnx
 from flax.nnx import filterlib
 from flax.nnx import graph as nnx_graph
 
-from ensembles._checks import check_choice, check_num_members
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_initializer,
+    check_num_members,
+)
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
 from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
@@ -157,14 +162,21 @@ def to_batch_ensemble(
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
         is invalid (or an initializer fails). Nothing (neither ``model`` nor
         ``rngs``) is changed then.
-      TypeError: if ``rngs`` is not an ``nnx.Rngs`` or ``prior_stddev`` is
-        not a number.
+      TypeError: if ``rngs`` is not an ``nnx.Rngs``, ``prior_stddev`` is
+        not a number, ``share_weights`` is not a bool (``"no"`` would read as
+        True and share the pretrained Variables) or an initializer is not
+        callable.
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)
     posterior = check_posterior(posterior)
     prior_stddev = check_prior_stddev(prior_stddev)
     rngs = check_rngs(rngs)
+    share_weights = check_bool(share_weights, "share_weights")
+    check_initializer(r_init, "r_init")
+    check_initializer(s_init, "s_init")
+    if posterior is not None:
+        check_initializer(stddev_init, "stddev_init")
     predicate = filterlib.to_predicate(only)
     norm_types = NORM_CONVERTERS if norms == "member" else {}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ensembles._checks import check_member_batch, check_num_members
+from ensembles._checks import as_array, check_member_batch, check_num_members
 
 __all__ = ["per_row", "tile", "untile"]
 
@@ -34,9 +34,13 @@ def tile(x: jax.Array, num_members: int) -> jax.Array:
 
     Returns:
       The ``[E*B, ...]`` member-major batch.
+
+    Raises:
+      ValueError: if ``x`` is a scalar (it has no batch axis).
+      TypeError: if ``x`` is not an array (e.g. ``None``).
     """
     num_members = check_num_members(num_members)
-    x = jnp.asarray(x)
+    x = as_array(x, "x")
     _check_has_batch_axis(x, "x")
     return jnp.broadcast_to(x, (num_members, *x.shape)).reshape(
         num_members * x.shape[0], *x.shape[1:]
@@ -61,9 +65,10 @@ def untile(y: jax.Array, num_members: int) -> jax.Array:
 
     Raises:
       ValueError: if ``y.shape[0]`` is not a multiple of ``num_members``.
+      TypeError: if ``y`` is not an array (e.g. ``None``).
     """
     num_members = check_num_members(num_members)
-    y = jnp.asarray(y)
+    y = as_array(y, "y")
     _check_has_batch_axis(y, "y")
     batch = check_member_batch(y.shape[0], num_members, name="y.shape[0]")
     return y.reshape(num_members, batch, *y.shape[1:])
@@ -97,6 +102,7 @@ def per_row(weights: jax.Array, rows: int, ndim: int) -> jax.Array:
     Returns:
       The ``[E*B, 1, ..., 1, C]`` per-row vectors.
     """
+    weights = as_array(weights, "weights")
     num_members, channels = weights.shape
     repeated = jnp.repeat(
         weights, rows // num_members, axis=0, total_repeat_length=rows

@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 
 from ensembles._checks import (
+    as_array,
     check_labels,
     check_member_batch,
     check_num_members,
@@ -71,10 +72,11 @@ def cross_entropy(
     Raises:
       ValueError: if the shapes do not match as above, or a known label is out
         of range.
-      TypeError: if ``labels`` are not integers.
+      TypeError: if ``logits`` or ``labels`` are not arrays (e.g. ``None``),
+        or ``labels`` not integers.
     """
     num_members = check_num_members(num_members)
-    logits = jnp.asarray(logits)
+    logits = as_array(logits, "logits")
     if logits.ndim == 3:
         if logits.shape[0] != num_members:
             raise ValueError(
@@ -150,6 +152,7 @@ def member_batches(
     Raises:
       ValueError: if ``batch_size`` exceeds ``num_examples`` or a size is
         not a positive int.
+      TypeError: if ``key`` is not a JAX random key (e.g. ``None``).
     """
     num_members = check_num_members(num_members)
     num_examples = check_positive_int(num_examples, "num_examples")
@@ -159,6 +162,7 @@ def member_batches(
             f"`batch_size` (={batch_size}) must be at most `num_examples` "
             f"(={num_examples}): each member draws without replacement."
         )
+    key = as_array(key, "key", what="a JAX random key (e.g. `jax.random.key(0)`)")
     keys = jax.random.uniform(key, (num_members, num_examples))
     _, indices = jax.lax.top_k(keys, batch_size)
     return indices.reshape(-1).astype(jnp.int32)

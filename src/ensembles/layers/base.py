@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ensembles._checks import check_choice
-from ensembles.layers.posterior import check_deterministic
+from ensembles._checks import as_array, check_bool, check_choice
 from ensembles.layers.stacking import layer_axes, reference_parameter
 from ensembles.ops.dense import IMPLS
 from ensembles.ops.posterior import sample_fast_weights
@@ -213,8 +212,10 @@ class BatchEnsembleModule(EnsembleModule):
 
         Args:
           member: if an int ``k``, the layer runs member ``k`` alone on an
-            un-tiled ``[B, ...]`` batch, as the plain layer with member ``k``'s
-            effective weights would. ``None`` leaves the view unchanged.
+            un-tiled ``[B, ...]`` batch (or on one example without the batch
+            axis, where the Flax layer takes one), as the plain layer with
+            member ``k``'s effective weights would. ``None`` leaves the view
+            unchanged.
           impl: the op implementation, ``"xla"`` or ``"pallas"``; a
             layer whose op does not have it (``"pallas"`` on a convolution)
             keeps its own, so that ``nnx.view(model, impl=...)`` sets it in
@@ -231,12 +232,38 @@ class BatchEnsembleModule(EnsembleModule):
             if impl not in self._impls:
                 impl = None  # another op's implementation: keep this layer's
         if deterministic is not None:
-            deterministic = check_deterministic(deterministic)
+            deterministic = check_bool(deterministic, "deterministic")
         super().set_view(member=member)
         if impl is not None:
             self.impl = impl
         if deterministic is not None:
             self.deterministic = deterministic
+
+    def _batch_of(
+        self, inputs: Any, example_ndim: int | None
+    ) -> tuple[jax.Array, bool]:
+        """``inputs`` as an array, one example made a batch of one in a member view.
+
+        Flax's layers take one example without a batch axis: ``nnx.Linear``
+        an ``[in]`` vector, ``nnx.Conv`` an ``[*spatial, in]`` image.
+        ``example_ndim`` is the rank of such an example for this layer
+        (``None`` where the Flax layer takes none). A member view runs it as a
+        batch of one, and the caller drops the outputs' batch axis again, so
+        that ``nnx.view(layer, member=k)`` takes what the Flax layer holding
+        member ``k``'s weights takes. The whole ensemble needs the member
+        axis: there the op says how to add it.
+
+        Returns:
+          ``(inputs, one_example)``: the array to run and whether it was one
+          example (whose outputs are ``outputs[0]``).
+
+        Raises:
+          TypeError: if ``inputs`` is not an array (e.g. ``None``).
+        """
+        inputs = as_array(inputs, "inputs")
+        if self.member is not None and inputs.ndim == example_ndim:
+            return inputs[None], True
+        return inputs, False
 
     def _call_operands(
         self,
@@ -281,7 +308,7 @@ class BatchEnsembleModule(EnsembleModule):
         if deterministic is None:
             deterministic = self.deterministic
         else:
-            deterministic = check_deterministic(deterministic)
+            deterministic = check_bool(deterministic, "deterministic")
         if self.posterior is None or deterministic:
             return r, s
         r_key, s_key = jax.random.split(self.rngs())

@@ -17,13 +17,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.module import first_from
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PromoteDtypeFn
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import (
+    as_array,
+    check_bool,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     EnsembleModule,
     check_flax_layer,
@@ -32,6 +36,7 @@ from ensembles.layers.base import (
 )
 from ensembles.layers.normalization import (
     check_mask,
+    check_norm_initializers,
     default_bias_init,
     default_scale_init,
     norm_param,
@@ -41,17 +46,6 @@ from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.normalization import ensemble_batch_norm, ensemble_batch_statistics
 
 __all__ = ["EnsembleBatchNorm"]
-
-
-def _check_use_running_average(value: Any) -> bool:
-    """Checks the resolved ``use_running_average`` of a call: a Python bool."""
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(
-            f"`use_running_average` must be a bool, got {value!r} of type "
-            f"{type(value).__name__}: any other value would be read as its "
-            f"truthiness. Pass True (evaluation) or False (training)."
-        )
-    return bool(value)
 
 
 class EnsembleBatchNorm(EnsembleModule):
@@ -142,6 +136,13 @@ class EnsembleBatchNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
+        use_running_average = check_bool(
+            use_running_average, "use_running_average", optional=True
+        )
+        use_bias = check_bool(use_bias, "use_bias")
+        use_scale = check_bool(use_scale, "use_scale")
+        use_fast_variance = check_bool(use_fast_variance, "use_fast_variance")
+        check_norm_initializers(use_scale, scale_init, use_bias, bias_init)
         shape = (num_members, num_features)
         with drawing_from(rngs) as draw:
             self.scale = norm_param(
@@ -293,13 +294,9 @@ class EnsembleBatchNorm(EnsembleModule):
             instead of the batch statistics. ``None`` leaves it unchanged.
         """
         # Check everything before setting anything: a failed view mutates nothing.
-        if use_running_average is not None and not isinstance(
-            use_running_average, bool
-        ):
-            raise TypeError(
-                f"`use_running_average` must be a bool or None, got "
-                f"{use_running_average!r}."
-            )
+        use_running_average = check_bool(
+            use_running_average, "use_running_average", optional=True
+        )
         super().set_view(member=member)
         if use_running_average is not None:
             self.use_running_average = use_running_average
@@ -343,7 +340,8 @@ class EnsembleBatchNorm(EnsembleModule):
                 "use_running_average=True/False)`."
             ),
         )
-        use_running_average = _check_use_running_average(use_running_average)
+        use_running_average = check_bool(use_running_average, "use_running_average")
+        x = as_array(x, "x")
         mask = check_mask(mask, x)
         if not use_running_average and jnp.size(x) == 0:
             raise ValueError(

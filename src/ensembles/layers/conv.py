@@ -13,7 +13,12 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -21,6 +26,7 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_weight_initializers,
     copy_of,
     default_bias_init,
     default_fast_weight_init,
@@ -32,7 +38,6 @@ from ensembles.layers.parameters import (
 )
 from ensembles.layers.posterior import (
     DEFAULT_PRIOR_STDDEV,
-    check_deterministic,
     check_posterior,
     check_prior_stddev,
     check_rng_collection,
@@ -207,10 +212,20 @@ class BatchEnsembleConv(BatchEnsembleModule):
         conv_options.check_mask(mask, kernel_shape)
         impl = check_choice(impl, "impl", conv.IMPLS)
         num_members = check_num_members(num_members)
+        use_bias = check_bool(use_bias, "use_bias")
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_deterministic(deterministic)
+        deterministic = check_bool(deterministic, "deterministic")
         rng_collection = check_rng_collection(rng_collection)
+        check_weight_initializers(
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            stddev_init=stddev_init,
+            use_bias=use_bias,
+            posterior=posterior,
+        )
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -340,6 +355,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
           ValueError: if ``layer`` uses a custom ``conv_general_dilated``,
             which the BatchEnsemble op cannot honour.
         """
+        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             layer,
             nnx.Conv,
@@ -461,7 +477,9 @@ class BatchEnsembleConv(BatchEnsembleModule):
         Args:
           inputs: ``[E*B, ..., *spatial, in_features]`` member-major inputs
             (channels last); in a member view (``nnx.view(layer, member=k)``)
-            an un-tiled ``[B, ..., *spatial, in_features]`` batch.
+            an un-tiled ``[B, ..., *spatial, in_features]`` batch, or one
+            ``[*spatial, in_features]`` example, as ``nnx.Conv`` takes it (its
+            outputs then have no batch axis either).
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Conv``; ``None`` leaves it to XLA.
           deterministic: replaces the layer's ``deterministic`` for this call,
@@ -475,6 +493,10 @@ class BatchEnsembleConv(BatchEnsembleModule):
         if self.mask is not None:
             # As nnx.Conv: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
+        # One [*spatial, in] example, in a member view, as nnx.Conv takes it.
+        inputs, one_example = self._batch_of(
+            inputs, example_ndim=len(self.kernel_size) + 1
+        )
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
@@ -490,4 +512,4 @@ class BatchEnsembleConv(BatchEnsembleModule):
         outputs = conv.conv_rows(
             inputs, kernel, r, s, bias, config, self.padding, num_members=num_members
         )
-        return shard_output(outputs, out_sharding)
+        return shard_output(outputs[0] if one_example else outputs, out_sharding)

@@ -12,7 +12,12 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -20,6 +25,7 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_weight_initializers,
     copy_of,
     default_bias_init,
     default_fast_weight_init,
@@ -31,7 +37,6 @@ from ensembles.layers.parameters import (
 )
 from ensembles.layers.posterior import (
     DEFAULT_PRIOR_STDDEV,
-    check_deterministic,
     check_posterior,
     check_prior_stddev,
     check_rng_collection,
@@ -178,6 +183,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             kernel_dilation, "kernel_dilation", rank
         )
         padding = conv_options.check_padding(padding, rank, transpose=True)
+        transpose_kernel = check_bool(transpose_kernel, "transpose_kernel")
         if transpose_kernel:
             channels = (out_features, in_features)
         else:
@@ -186,10 +192,20 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         conv_options.check_mask(mask, kernel_shape)
         impl = check_choice(impl, "impl", conv_transpose.IMPLS)
         num_members = check_num_members(num_members)
+        use_bias = check_bool(use_bias, "use_bias")
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_deterministic(deterministic)
+        deterministic = check_bool(deterministic, "deterministic")
         rng_collection = check_rng_collection(rng_collection)
+        check_weight_initializers(
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            stddev_init=stddev_init,
+            use_bias=use_bias,
+            posterior=posterior,
+        )
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -314,6 +330,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         Raises:
           TypeError: if ``layer`` is not an ``nnx.ConvTranspose``.
         """
+        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(layer, nnx.ConvTranspose, "layer", cls.__name__)
         bias_init, bias_metadata = member_copies(layer.bias)
         new = cls(
@@ -418,7 +435,9 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
 
         Args:
           inputs: ``[E*B, ..., *spatial, in_features]`` member-major inputs
-            (channels last); in a member view an un-tiled batch.
+            (channels last); in a member view an un-tiled batch, or one
+            ``[*spatial, in_features]`` example, as ``nnx.ConvTranspose``
+            takes it (its outputs then have no batch axis either).
           deterministic: replaces the layer's ``deterministic`` for this call,
             as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
@@ -430,10 +449,15 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         if self.mask is not None:
             # As nnx.ConvTranspose: mask before promotion, so dtypes follow Flax's.
             kernel = kernel * self.mask
+        # One [*spatial, in] example, in a member view, as nnx.ConvTranspose
+        # takes it.
+        inputs, one_example = self._batch_of(
+            inputs, example_ndim=len(self.kernel_size) + 1
+        )
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        return conv_transpose.conv_transpose_rows(
+        outputs = conv_transpose.conv_transpose_rows(
             inputs,
             kernel,
             r,
@@ -447,3 +471,4 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             precision=self.precision,
             preferred_element_type=self.preferred_element_type,
         )
+        return outputs[0] if one_example else outputs

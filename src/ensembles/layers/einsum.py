@@ -12,7 +12,12 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -20,6 +25,7 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_weight_initializers,
     copy_of,
     default_bias_init,
     default_fast_weight_init,
@@ -31,7 +37,6 @@ from ensembles.layers.parameters import (
 )
 from ensembles.layers.posterior import (
     DEFAULT_PRIOR_STDDEV,
-    check_deterministic,
     check_posterior,
     check_prior_stddev,
     check_rng_collection,
@@ -178,8 +183,17 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         num_members = check_num_members(num_members)
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_deterministic(deterministic)
+        deterministic = check_bool(deterministic, "deterministic")
         rng_collection = check_rng_collection(rng_collection)
+        check_weight_initializers(
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            stddev_init=stddev_init,
+            use_bias=bias_shape is not None,
+            posterior=posterior,
+        )
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -300,6 +314,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             ``einsum_str`` contracts the input's first axis (which carries the
             members here).
         """
+        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             layer,
             nnx.Einsum,
@@ -432,6 +447,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 f"which `r` and `s` were made for: keep each kernel letter in (or "
                 f"out of) the output as the layer's string does."
             )
+        # `einsum_str` fixes the inputs' rank, batch axis included, as for
+        # nnx.Einsum: there is no example without it.
+        inputs, _ = self._batch_of(inputs, example_ndim=None)
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )

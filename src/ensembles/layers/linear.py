@@ -13,7 +13,12 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -21,6 +26,7 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_weight_initializers,
     copy_of,
     default_bias_init,
     default_fast_weight_init,
@@ -32,7 +38,6 @@ from ensembles.layers.parameters import (
 )
 from ensembles.layers.posterior import (
     DEFAULT_PRIOR_STDDEV,
-    check_deterministic,
     check_posterior,
     check_prior_stddev,
     check_rng_collection,
@@ -80,6 +85,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
     (10, 4)
     >>> nnx.view(layer, member=1)(x).shape           # member 1 alone, [B, out]
     (5, 4)
+    >>> nnx.view(layer, member=1)(x[0]).shape        # one example, as nnx.Linear
+    (4,)
 
     Args:
       in_features: the number of input features.
@@ -155,10 +162,20 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         out_features = check_positive_int(out_features, "out_features")
         impl = check_choice(impl, "impl", dense.IMPLS)
         num_members = check_num_members(num_members)
+        use_bias = check_bool(use_bias, "use_bias")
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_deterministic(deterministic)
+        deterministic = check_bool(deterministic, "deterministic")
         rng_collection = check_rng_collection(rng_collection)
+        check_weight_initializers(
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            stddev_init=stddev_init,
+            use_bias=use_bias,
+            posterior=posterior,
+        )
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -279,6 +296,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
           ValueError: if ``linear`` uses a custom ``dot_general``, which the
             BatchEnsemble op cannot honour.
         """
+        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             linear,
             nnx.Linear,
@@ -376,15 +394,19 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         Args:
           inputs: ``[E*B, ..., in_features]`` member-major inputs; in a member
             view (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...,
-            in_features]`` batch.
+            in_features]`` batch, or one ``[in_features]`` example, as
+            ``nnx.Linear`` takes it.
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Linear``; ``None`` leaves it to XLA.
           deterministic: replaces the layer's ``deterministic`` for this call,
             as for ``nnx.Dropout`` (with a posterior: True uses the means).
 
         Returns:
-          The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``) outputs.
+          The ``[E*B, ..., out_features]`` (or ``[B, ..., out_features]``, or
+          for one example ``[out_features]``) outputs.
         """
+        # One [in] example, in a member view, as nnx.Linear takes it.
+        inputs, one_example = self._batch_of(inputs, example_ndim=1)
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )
@@ -399,4 +421,4 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             preferred_element_type=self.preferred_element_type,
             impl=self.impl,
         )
-        return shard_output(outputs, out_sharding)
+        return shard_output(outputs[0] if one_example else outputs, out_sharding)

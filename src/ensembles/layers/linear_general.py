@@ -15,7 +15,12 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    check_bool,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -23,6 +28,7 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_weight_initializers,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
@@ -35,7 +41,6 @@ from ensembles.layers.parameters import (
 )
 from ensembles.layers.posterior import (
     DEFAULT_PRIOR_STDDEV,
-    check_deterministic,
     check_posterior,
     check_prior_stddev,
     check_rng_collection,
@@ -235,10 +240,20 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
         impl = check_choice(impl, "impl", dense.IMPLS)
         num_members = check_num_members(num_members)
+        use_bias = check_bool(use_bias, "use_bias")
         posterior = check_posterior(posterior)
         prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_deterministic(deterministic)
+        deterministic = check_bool(deterministic, "deterministic")
         rng_collection = check_rng_collection(rng_collection)
+        check_weight_initializers(
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            r_init=r_init,
+            s_init=s_init,
+            stddev_init=stddev_init,
+            use_bias=use_bias,
+            posterior=posterior,
+        )
         with drawing_from(rngs) as draw:
             self.kernel = new_param(
                 nnx.Param,
@@ -363,6 +378,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             ``dot_general_cls``, which the BatchEnsemble op cannot honour, or
             contracts axis 0.
         """
+        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             layer,
             nnx.LinearGeneral,
@@ -470,8 +486,10 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
 
         Args:
           inputs: ``[E*B, ...]`` member-major inputs; in a member view
-            (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...]`` batch.
-
+            (``nnx.view(layer, member=k)``) an un-tiled ``[B, ...]`` batch,
+            or, without ``batch_axis`` and with negative ``axis``, one example
+            whose every axis is contracted (``[*in_features]``), as
+            ``nnx.LinearGeneral`` takes it.
           out_sharding: where to place the outputs (a ``PartitionSpec`` or
             ``NamedSharding``), as for ``nnx.Linear``; ``None`` leaves it to XLA.
           deterministic: replaces the layer's ``deterministic`` for this call,
@@ -481,6 +499,12 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
           The outputs: the uncontracted axes of ``inputs`` in order, then
           ``out_features``.
         """
+        # nnx.LinearGeneral takes one example whose every axis it contracts
+        # (counted from the end; batch axes make a batch): so does a member view.
+        example_ndim = None
+        if not self.batch_axis and all(a < 0 for a in self.axis):
+            example_ndim = len(self.axis)
+        inputs, one_example = self._batch_of(inputs, example_ndim)
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )
@@ -497,4 +521,4 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             preferred_element_type=self.preferred_element_type,
             impl=self.impl,
         )
-        return shard_output(outputs, out_sharding)
+        return shard_output(outputs[0] if one_example else outputs, out_sharding)

@@ -20,7 +20,13 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from flax.typing import Axes, Dtype, Initializer, PromoteDtypeFn
 
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import (
+    as_array,
+    check_bool,
+    check_initializer,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.layers.base import (
     EnsembleModule,
     check_flax_layer,
@@ -46,7 +52,7 @@ def check_mask(mask: Any, x: Any) -> Any:
     """Checks that ``mask`` is boolean and broadcasts to the inputs ``x``."""
     if mask is None:
         return None
-    mask = jnp.asarray(mask)
+    mask = as_array(mask, "mask")
     if mask.dtype != jnp.bool_:
         raise TypeError(
             f"`mask` must be a boolean array (True: the entry counts in the "
@@ -64,6 +70,20 @@ def check_mask(mask: Any, x: Any) -> Any:
             f"axes to broadcast)."
         )
     return mask
+
+
+def check_norm_initializers(
+    use_scale: bool, scale_init: Any, use_bias: bool, bias_init: Any
+) -> None:
+    """Checks the initializers a norm will call, before it draws anything.
+
+    ``from_*`` passes ``None`` for a parameter the pretrained norm lacks, as
+    Flax allows an unused initializer to be anything.
+    """
+    if use_scale:
+        check_initializer(scale_init, "scale_init")
+    if use_bias:
+        check_initializer(bias_init, "bias_init")
 
 
 def norm_param(
@@ -89,6 +109,7 @@ def _sample_norm(
     *params: nnx.Param | None,
 ) -> jax.Array:
     """Calls ``op`` as ``norm`` does, on ``x`` and ``params`` (in ``op``'s order)."""
+    x = as_array(x, "x")
     mask = check_mask(mask, x)
     size, arrays = norm._member_operands(*(v if v is None else v[...] for v in params))
     x, *arrays = norm.promote_dtype((x, *arrays), dtype=norm.dtype)
@@ -180,6 +201,10 @@ class EnsembleLayerNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
+        use_bias = check_bool(use_bias, "use_bias")
+        use_scale = check_bool(use_scale, "use_scale")
+        use_fast_variance = check_bool(use_fast_variance, "use_fast_variance")
+        check_norm_initializers(use_scale, scale_init, use_bias, bias_init)
         shape = (num_members, num_features)
         with drawing_from(rngs) as draw:
             self.scale = norm_param(
@@ -381,6 +406,9 @@ class EnsembleRMSNorm(EnsembleModule):
     ):
         num_features = check_positive_int(num_features, "num_features")
         num_members = check_num_members(num_members)
+        use_scale = check_bool(use_scale, "use_scale")
+        use_fast_variance = check_bool(use_fast_variance, "use_fast_variance")
+        check_norm_initializers(use_scale, scale_init, False, None)
         shape = (num_members, num_features)
         with drawing_from(rngs) as draw:
             self.scale = norm_param(

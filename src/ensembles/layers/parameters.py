@@ -27,10 +27,12 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from ensembles import initializers as fast_initializers
+from ensembles._checks import check_initializer
 from ensembles.layers.sharding import member_axis_metadata, without_member_axis_metadata
 
 __all__ = [
     "check_rngs",
+    "check_weight_initializers",
     "copy_of",
     "default_bias_init",
     "default_fast_weight_init",
@@ -68,6 +70,34 @@ def check_rngs(rngs: Any, name: str = "rngs") -> nnx.Rngs:
             f"{type(rngs).__name__}: {hint}."
         )
     return rngs
+
+
+def check_weight_initializers(
+    *,
+    kernel_init: Any,
+    bias_init: Any,
+    r_init: Any,
+    s_init: Any,
+    stddev_init: Any,
+    use_bias: bool,
+    posterior: str | None,
+) -> None:
+    """Checks the initializers a weight layer will call, before it draws anything.
+
+    ``bias_init`` is called only with a bias and ``stddev_init`` only with a
+    posterior (``from_*`` passes ``bias_init=None`` for a layer without a
+    bias, as Flax allows); the others always.
+
+    Raises:
+      TypeError: naming the first initializer that is not callable.
+    """
+    check_initializer(kernel_init, "kernel_init")
+    if use_bias:
+        check_initializer(bias_init, "bias_init")
+    check_initializer(r_init, "r_init")
+    check_initializer(s_init, "s_init")
+    if posterior is not None:
+        check_initializer(stddev_init, "stddev_init")
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from flax.typing import Initializer
 
@@ -34,7 +33,6 @@ from ensembles.variables import FastWeight
 
 __all__ = [
     "DEFAULT_PRIOR_STDDEV",
-    "check_deterministic",
     "check_posterior",
     "check_prior_stddev",
     "check_rng_collection",
@@ -71,16 +69,6 @@ def check_prior_stddev(prior_stddev: Any) -> float:
             f"{prior_stddev!r}; uncertainty-baselines uses 0.1 on CIFAR."
         )
     return prior_stddev
-
-
-def check_deterministic(deterministic: Any) -> bool:
-    """Checks a ``deterministic`` flag: a Python or numpy bool."""
-    if not isinstance(deterministic, bool | np.bool_):
-        raise TypeError(
-            f"`deterministic` must be a bool (True: use the posterior means), got "
-            f"{deterministic!r} of type {type(deterministic).__name__}."
-        )
-    return bool(deterministic)
 
 
 def check_rng_collection(rng_collection: Any) -> str:

@@ -1,7 +1,8 @@
 """Functional BatchEnsemble kernels; they know nothing of ``nnx``.
 
-Each op validates its arguments and then runs its ``jnp`` formulation
-(``impl="xla"``, the default on every backend), in the
+Each op validates its arguments (an array argument that is not an array, such
+as ``None``, raises a ``TypeError`` naming it) and then runs its ``jnp``
+formulation (``impl="xla"``, the default on every backend), in the
 :class:`Formulation` its own measured rule picks for the operands that are
 differentiated (``docs/cost.md``). The dense-like ops also take
 ``impl="pallas"``: the fused kernels of :mod:`ensembles.experimental.pallas`,

@@ -44,7 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_choice, check_num_members, check_positive_int
+from ensembles._checks import (
+    as_operands,
+    check_choice,
+    check_num_members,
+    check_positive_int,
+)
 from ensembles.members import per_row
 from ensembles.ops import conv_formulations as math
 from ensembles.ops.autodiff import (
@@ -302,8 +307,7 @@ def batch_ensemble_conv(
             f"{formulation!r} of type {type(formulation).__name__}."
         )
     groups = check_positive_int(feature_group_count, "feature_group_count")
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
+    inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if kernel.ndim < 3:
         raise ValueError(
             f"`kernel` must have shape [*kernel_size, in, out] with at least one "

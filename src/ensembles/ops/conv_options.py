@@ -19,7 +19,11 @@ import jax
 import numpy as np
 from flax.nnx.nn.linear import canonicalize_padding
 
-from ensembles._checks import check_member_shapes, check_positive_int
+from ensembles._checks import (
+    add_batch_axis_fix,
+    check_member_shapes,
+    check_positive_int,
+)
 
 __all__ = [
     "check_kernel_size",
@@ -258,8 +262,7 @@ def check_shapes(
         raise ValueError(
             f"`inputs` must have shape [E*B, *spatial ({rank} dims), "
             f"in_features] (at least {rank + 2} dimensions) for a {rank}-D "
-            f"kernel, got shape {inputs.shape}. Add a batch axis, e.g. "
-            f"`inputs[None]`, and tile it with `ensembles.tile`."
+            f"kernel, got shape {inputs.shape}. " + add_batch_axis_fix(num_members)
         )
     if inputs.shape[-1] != in_features:
         raise ValueError(

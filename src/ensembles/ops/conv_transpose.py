@@ -14,7 +14,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_choice, check_num_members
+from ensembles._checks import (
+    as_operands,
+    check_bool,
+    check_choice,
+    check_num_members,
+)
 from ensembles.members import per_row
 from ensembles.ops.conv_options import (
     IntOrSequence,
@@ -162,8 +167,8 @@ def batch_ensemble_conv_transpose(
     """
     num_members = check_num_members(num_members)
     check_choice(impl, "impl", IMPLS)
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
+    transpose_kernel = check_bool(transpose_kernel, "transpose_kernel")
+    inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if kernel.ndim < 3:
         raise ValueError(
             f"`kernel` must have shape [*kernel_size, in, out] with at least one "

@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_choice, check_member_shapes, check_num_members
+from ensembles._checks import (
+    add_batch_axis_fix,
+    as_operands,
+    check_choice,
+    check_member_shapes,
+    check_num_members,
+)
 from ensembles.ops import dense_formulations as math
 from ensembles.ops.autodiff import (
     BACKWARDS,
@@ -61,8 +67,7 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
     if inputs.ndim < 2:
         raise ValueError(
             f"`inputs` must have shape [E*B, ..., in_features] (at least 2 "
-            f"dimensions), got shape {inputs.shape}. Add a batch axis, e.g. "
-            f"`inputs[None]`, and tile it with `ensembles.tile`."
+            f"dimensions), got shape {inputs.shape}. " + add_batch_axis_fix(num_members)
         )
     if kernel.ndim != 2:
         raise ValueError(
@@ -451,8 +456,7 @@ def batch_ensemble_dense(
             f"{'the Pallas kernel' if impl == 'pallas' else 'the sharded-rows path'}"
             f" ({jax.device_count()} devices): drop `formulation`."
         )
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
+    inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     _check_dense_shapes(inputs, kernel, r, s, bias, num_members)
     options = {"precision": precision, "preferred_element_type": preferred_element_type}
     if impl == "pallas":

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ensembles._checks import (
+    add_batch_axis_fix,
+    as_operands,
     check_choice,
     check_member_batch,
     check_member_params,
@@ -274,14 +276,12 @@ def batch_ensemble_dense_general(
         ) from None
     if num_batch_axes < 0:
         raise ValueError(f"`num_batch_axes` must be >= 0, got {num_batch_axes}.")
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
+    inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if inputs.ndim < 2:
         raise ValueError(
             f"`inputs` must have shape [E*B, ...] with at least 2 dimensions "
             f"(members plus the contracted features), got shape {inputs.shape}. "
-            f"Add a batch axis, e.g. `inputs[None]`, and tile it with "
-            f"`ensembles.tile`."
+            + add_batch_axis_fix(num_members)
         )
     axes = normalize_axes(axis, inputs.ndim)
     _check_shapes(inputs, kernel, r, s, bias, num_members, axis, axes, num_batch_axes)

@@ -33,7 +33,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_choice, check_member_batch, check_num_members
+from ensembles._checks import (
+    as_operands,
+    check_choice,
+    check_member_batch,
+    check_num_members,
+)
 from ensembles.ops import dense
 
 __all__ = [
@@ -404,8 +409,7 @@ def batch_ensemble_einsum(
     """
     num_members = check_num_members(num_members)
     impl = check_choice(impl, "impl", dense.IMPLS)
-    inputs, kernel, r, s = (jnp.asarray(a) for a in (inputs, kernel, r, s))
-    bias = None if bias is None else jnp.asarray(bias)
+    inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     subscripts = parse(einsum_str, inputs.ndim)
     _check_shapes(subscripts, inputs, kernel, r, s, bias, num_members)
     kwargs = {"precision": precision, "preferred_element_type": preferred_element_type}

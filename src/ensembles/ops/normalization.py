@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles._checks import check_member_batch, check_num_members
+from ensembles._checks import (
+    as_array,
+    check_bool,
+    check_member_batch,
+    check_num_members,
+)
 
 __all__ = [
     "ensemble_batch_norm",
@@ -57,7 +62,7 @@ def _axes(axes: Axes, ndim: int, name: str) -> tuple[int, ...]:
 
 def _members_view(inputs, num_members: int):
     """``[E*B, ...]`` -> ``[E, B, ...]``, after checking the batch."""
-    inputs = jnp.asarray(inputs)
+    inputs = as_array(inputs, "inputs")
     if inputs.ndim < 1:
         raise ValueError(
             f"`inputs` must have shape [E*B, ...] (at least 1 dimension), got "
@@ -70,7 +75,7 @@ def _members_view(inputs, num_members: int):
 def _members_mask(mask, inputs, num_members):
     if mask is None:
         return None
-    mask = jnp.broadcast_to(jnp.asarray(mask), inputs.shape)
+    mask = jnp.broadcast_to(as_array(mask, "mask"), inputs.shape)
     return mask.reshape(num_members, -1, *inputs.shape[1:])
 
 
@@ -207,12 +212,16 @@ def _per_sample_norm(
     mask,
 ):
     num_members = check_num_members(num_members)
+    use_fast_variance = check_bool(use_fast_variance, "use_fast_variance")
+    inputs = as_array(inputs, "inputs")
+    scale = None if scale is None else as_array(scale, "scale")
+    bias = None if bias is None else as_array(bias, "bias")
     members = _members_view(inputs, num_members)
     ndim = members.ndim - 1
     reduction = tuple(a + 1 for a in _axes(reduction_axes, ndim, "reduction_axes"))
     features = tuple(a + 1 for a in _axes(feature_axes, ndim, "feature_axes"))
     _check_params(members, features, {"scale": scale, "bias": bias})
-    mask = _members_mask(mask, jnp.asarray(inputs), num_members)
+    mask = _members_mask(mask, inputs, num_members)
     mean, var = _statistics(
         members,
         reduction,
@@ -396,13 +405,15 @@ def ensemble_batch_statistics(
       TypeError: if ``num_members`` or an axis is not an int.
     """
     num_members = check_num_members(num_members)
+    use_fast_variance = check_bool(use_fast_variance, "use_fast_variance")
+    inputs = as_array(inputs, "inputs")
     members = _members_view(inputs, num_members)
     reduction, features = _batch_axes(members, axis)
     if num_features is not None:
         # Checked against a placeholder of the expected shape, for the message.
         placeholder = jax.ShapeDtypeStruct((num_members, num_features), jnp.float32)
         _check_params(members, features, {"mean": placeholder})
-    mask = _members_mask(mask, jnp.asarray(inputs), num_members)
+    mask = _members_mask(mask, inputs, num_members)
     mean, var = _statistics(
         members,
         reduction,
@@ -466,7 +477,9 @@ def ensemble_batch_norm(
     num_members = check_num_members(num_members)
     members = _members_view(inputs, num_members)
     reduction, features = _batch_axes(members, axis)
-    mean, var = jnp.asarray(mean), jnp.asarray(var)
+    mean, var = as_array(mean, "mean"), as_array(var, "var")
+    scale = None if scale is None else as_array(scale, "scale")
+    bias = None if bias is None else as_array(bias, "bias")
     _check_params(
         members, features, {"mean": mean, "var": var, "scale": scale, "bias": bias}
     )

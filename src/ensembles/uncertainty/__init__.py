@@ -44,7 +44,8 @@ their values mean). Out-of-range labels raise a ``ValueError`` when their values
 are known and make the metric NaN under :func:`jax.jit`; :func:`auroc`,
 :func:`aupr` and :func:`fpr_at_tpr` are NaN if any score is NaN or infinite.
 Eager or jitted, the result is the same NaN, never a finite number that looks
-like a confident answer.
+like a confident answer. An argument that is not an array at all (``None``, a
+string) raises a ``TypeError`` that names it.
 
 >>> import jax.numpy as jnp
 >>> from ensembles import uncertainty

@@ -13,14 +13,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ensembles._checks import check_labels
+from ensembles._checks import as_array, check_array, check_labels
 
 # --------------------------------------------------------------------------- checks
 
 
 def _check_logits(logits: jax.Array) -> jax.Array:
     """Returns ``logits`` as an array after checking it is floating ``[E, B, C]``."""
-    logits = jnp.asarray(logits)
+    logits = as_array(logits, "logits")
     if not jnp.issubdtype(logits.dtype, jnp.floating):
         raise TypeError(
             f"`logits` must be a floating-point array, got dtype {logits.dtype}: "
@@ -75,7 +75,7 @@ def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
 
 def _check_scores(scores: jax.Array, name: str) -> jax.Array:
     """Returns ``scores`` as a non-empty real 1-D array."""
-    scores = jnp.asarray(scores)
+    scores = jnp.asarray(check_array(scores, name))
     if not (
         jnp.issubdtype(scores.dtype, jnp.floating)
         or jnp.issubdtype(scores.dtype, jnp.integer)

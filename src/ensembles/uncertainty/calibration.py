@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ensembles._checks import check_positive_int, check_real
+from ensembles._checks import check_array, check_positive_int, check_real
 from ensembles.uncertainty._common import (
     _check_labels,
     _check_logits,
@@ -195,6 +195,7 @@ def scale_temperature(logits: jax.Array, temperature: float | jax.Array) -> jax.
         real number.
     """
     logits = _check_logits(logits)
+    temperature = check_array(temperature, "temperature", what="a positive number")
     if jnp.shape(temperature) != ():
         raise ValueError(
             f"`temperature` must be a scalar, got shape {jnp.shape(temperature)}: "

@@ -359,6 +359,110 @@ def test_ood_extremes():
     assert_close(uncertainty.fpr_at_tpr(jnp.array([False]), jnp.array([True])), 0.0)
 
 
+def sklearn_ood(in_scores, out_scores, tpr=0.95):
+    """scikit-learn's AUROC, AUPR and FPR at ``tpr``, on the scores as they are.
+
+    No cast: scikit-learn compares int64 and float64 scores exactly.
+    """
+    metrics = pytest.importorskip("sklearn.metrics")
+    in_scores, out_scores = np.asarray(in_scores), np.asarray(out_scores)
+    y_true = np.concatenate([np.zeros(len(in_scores)), np.ones(len(out_scores))])
+    y_score = np.concatenate([in_scores, out_scores])
+    fpr, tpr_curve, _ = metrics.roc_curve(y_true, y_score, drop_intermediate=False)
+    return {
+        "auroc": metrics.roc_auc_score(y_true, y_score),
+        "aupr": metrics.average_precision_score(y_true, y_score),
+        "fpr_at_tpr": fpr[np.searchsorted(tpr_curve, tpr, side="left")],
+    }
+
+
+def close_scores(base, step, dtype, seed=0, size=40):
+    """In- and out-of-distribution scores ``base + k * step`` that float32 merges.
+
+    The ``size`` values are distinct in ``dtype`` but lie closer than float32's
+    spacing at ``base``, shuffled between the two sets.
+    """
+    order = np.random.default_rng(seed).permutation(size)
+    if np.issubdtype(dtype, np.integer):
+        values = np.asarray(base, dtype) + order.astype(dtype) * np.asarray(step, dtype)
+    else:
+        values = (np.float64(base) + order * np.float64(step)).astype(dtype)
+    assert len(np.unique(values)) == size
+    assert len(np.unique(values.astype(np.float32))) < size
+    return values[: size // 2], values[size // 2 :]
+
+
+CLOSE_SCORES = {
+    "int32 above 2**24": (2**24, 1, np.int32),
+    "int64 above 2**31": (2**40, 1, np.int64),
+    "int64 above 2**53": (2**53, 1, np.int64),
+    "uint64 above 2**63": (2**63 + 2**32 - 60, 3, np.uint64),
+    "float64 within float32 spacing": (1.0, 1e-12, np.float64),
+}
+OOD = ["auroc", "aupr", "fpr_at_tpr"]
+
+
+@pytest.mark.parametrize("case", CLOSE_SCORES)
+def test_ood_metrics_rank_scores_in_their_own_dtype(case):
+    # Ranked in float32, these scores became ties (and, as JAX arrays without
+    # x64, int64 ones wrapped around): issue 41 (5).
+    in_scores, out_scores = close_scores(*CLOSE_SCORES[case])
+    expected = sklearn_ood(in_scores, out_scores)
+    in_float32 = in_scores.astype(np.float32), out_scores.astype(np.float32)
+    assert expected["auroc"] != sklearn_ood(*in_float32)["auroc"]
+    for name in OOD:
+        actual = getattr(uncertainty, name)(in_scores, out_scores)
+        assert actual.dtype == jnp.float32
+        assert_close(actual, expected[name], err_msg=name)
+        # Lists of Python ints too: numpy holds them as they are.
+        if in_scores.dtype == np.int64:
+            as_lists = in_scores.tolist(), out_scores.tolist()
+            assert_close(getattr(uncertainty, name)(*as_lists), expected[name])
+
+
+def test_ood_metrics_rank_int32_scores_exactly_in_and_out_of_jit():
+    in_scores, out_scores = close_scores(2**30, 1, np.int32, seed=1)
+    expected = sklearn_ood(in_scores, out_scores)
+    in_scores, out_scores = jnp.asarray(in_scores), jnp.asarray(out_scores)
+    for name in OOD:
+        fn = getattr(uncertainty, name)
+        assert_close(fn(in_scores, out_scores), expected[name], err_msg=name)
+        assert_close(jax.jit(fn)(in_scores, out_scores), expected[name])
+
+
+def test_ood_metrics_rank_float64_scores_exactly_under_x64(x64):
+    in_scores, out_scores = close_scores(1.0, 1e-12, np.float64, seed=2)
+    expected = sklearn_ood(in_scores, out_scores)
+    in_scores, out_scores = jnp.asarray(in_scores), jnp.asarray(out_scores)
+    assert in_scores.dtype == jnp.float64
+    for name in OOD:
+        fn = getattr(uncertainty, name)
+        for result in [fn(in_scores, out_scores), jax.jit(fn)(in_scores, out_scores)]:
+            assert result.dtype == jnp.float64
+            np.testing.assert_allclose(
+                float(result), expected[name], rtol=1e-12, err_msg=name
+            )
+
+
+def test_traced_scores_compare_in_the_dtype_jax_promotes_them_to():
+    # The documented bound (auroc's note): under jit, int32 against float32
+    # scores compare in float32, where 2**24 + 1 rounds to 2**24; known
+    # scores compare as numpy (and scikit-learn) compare them.
+    in_scores = jnp.array([2**24 + 1], jnp.int32)
+    out_scores = jnp.array([2**24], jnp.float32)
+    expected = sklearn_ood(in_scores, out_scores, tpr=1.0)
+    for name in OOD:
+        eager = getattr(uncertainty, name)(in_scores, out_scores)
+        assert_close(eager, expected[name], err_msg=name)
+    assert_close(uncertainty.auroc(in_scores, out_scores), 0.0)
+    assert_close(jax.jit(uncertainty.auroc)(in_scores, out_scores), 0.5)
+    # Either kind alone is exact under jit too.
+    for dtype in [jnp.int32, jnp.float32]:
+        low = jnp.array([2**24, 2**24 + 2], dtype)
+        high = jnp.array([2**24 + 2, 2**24 + 4], dtype)
+        assert_close(jax.jit(uncertainty.auroc)(low, high), 0.875)
+
+
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
 def test_unranked_scores_give_nan(bad):
     good = jnp.array([0.1, 0.2, 0.3])

@@ -12,6 +12,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import dtypes
 
 from ensembles._checks import as_array, check_array, check_labels
 
@@ -73,9 +75,18 @@ def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
     return labels
 
 
-def _check_scores(scores: jax.Array, name: str) -> jax.Array:
-    """Returns ``scores`` as a non-empty real 1-D array."""
-    scores = jnp.asarray(check_array(scores, name))
+def _check_scores(scores: jax.Array, name: str) -> jax.Array | np.ndarray:
+    """Returns ``scores`` as a non-empty real 1-D array, in their own dtype.
+
+    A numpy array (or list) stays numpy: ``jnp.asarray`` would truncate
+    64-bit scores without x64, and :func:`_joint_ranks` ranks known scores
+    with numpy.
+    """
+    scores = check_array(scores, name)
+    if hasattr(scores, "__jax_array__"):
+        scores = jnp.asarray(scores)
+    elif not isinstance(scores, jax.Array):
+        scores = np.asarray(scores)
     if not (
         jnp.issubdtype(scores.dtype, jnp.floating)
         or jnp.issubdtype(scores.dtype, jnp.integer)
@@ -95,6 +106,64 @@ def _check_scores(scores: jax.Array, name: str) -> jax.Array:
             "needs both in-distribution and out-of-distribution examples."
         )
     return scores
+
+
+def _joint_ranks(
+    in_scores: jax.Array | np.ndarray, out_scores: jax.Array | np.ndarray
+) -> tuple[jax.Array, jax.Array, jax.Array, np.dtype]:
+    """Both sets of scores as int32 ranks in their joint order, exactly.
+
+    A score's rank is the number of scores (of either set) strictly below it,
+    so equal scores share a rank and any two scores compare as their ranks
+    do: the OOD metrics count with the ranks. Known scores are ranked by
+    numpy in the dtype numpy concatenates them to (as scikit-learn compares
+    them): integers as integers, float64 as float64, whatever
+    ``jax_enable_x64`` says. Traced scores (under :func:`jax.jit`) are ranked
+    in the dtype JAX promotes the two arrays to, which is where the two can
+    differ: JAX holds 64-bit inputs as 32-bit without x64, and compares int32
+    with float32 scores in float32.
+
+    Returns:
+      ``(in_ranks, out_ranks, unranked, dtype)``: ``unranked`` is True if some
+      score is NaN or infinite; ``dtype`` is the metrics' float dtype (float64
+      for float64 scores under x64, else float32).
+    """
+    dtype = jnp.promote_types(
+        jnp.promote_types(
+            dtypes.canonicalize_dtype(in_scores.dtype),
+            dtypes.canonicalize_dtype(out_scores.dtype),
+        ),
+        jnp.float32,
+    )
+    num_in = in_scores.shape[0]
+    try:
+        parts = [np.asarray(in_scores), np.asarray(out_scores)]
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        parts = None
+    if parts is not None:
+        # bfloat16 and narrower floats are exact in float32, which numpy sorts.
+        parts = [
+            p
+            if p.dtype == np.bool_ or np.issubdtype(p.dtype, np.number)
+            else p.astype(np.float32)
+            for p in parts
+        ]
+        joint = np.concatenate(parts)
+        ranks = np.searchsorted(np.sort(joint), joint, side="left").astype(np.int32)
+        unranked = not np.isfinite(joint).all()
+        return (
+            jnp.asarray(ranks[:num_in]),
+            jnp.asarray(ranks[num_in:]),
+            jnp.asarray(unranked),
+            dtype,
+        )
+    common = jnp.promote_types(in_scores.dtype, out_scores.dtype)
+    if common == jnp.bool_:
+        common = jnp.int32
+    joint = jnp.concatenate([in_scores.astype(common), out_scores.astype(common)])
+    ranks = jnp.searchsorted(jnp.sort(joint), joint, side="left").astype(jnp.int32)
+    unranked = ~jnp.all(jnp.isfinite(joint))
+    return ranks[:num_in], ranks[num_in:], unranked, dtype
 
 
 # ------------------------------------------------------------------------- helpers

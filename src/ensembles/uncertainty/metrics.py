@@ -21,6 +21,7 @@ from ensembles.uncertainty._common import (
     _check_logits,
     _check_scores,
     _confidence_and_correct,
+    _joint_ranks,
     _member_log_probs,
     _poison_all,
     _predictive_log_probs,
@@ -324,23 +325,20 @@ def mce(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
     return _mce(logits, _check_labels(labels, logits), num_bins=num_bins)
 
 
-@jax.jit
-def _auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
-    dtype = jnp.promote_types(
-        jnp.promote_types(in_scores.dtype, out_scores.dtype), jnp.float32
-    )
-    sorted_in = jnp.sort(in_scores.astype(dtype))
-    out_scores = out_scores.astype(dtype)
+@functools.partial(jax.jit, static_argnames="dtype")
+def _auroc(
+    in_ranks: jax.Array, out_ranks: jax.Array, unranked: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    sorted_in = jnp.sort(in_ranks)
     # For each positive: #negatives below it, and #below-or-equal; their mean
     # counts ties as half.
-    below = jnp.searchsorted(sorted_in, out_scores, side="left")
-    below_or_equal = jnp.searchsorted(sorted_in, out_scores, side="right")
-    wins = (below + below_or_equal).astype(dtype) / (2 * in_scores.shape[0])
-    # NaN sorts last and compares false, so it would count as a sure loss (or
-    # win): the AUROC of unranked scores is undefined. An infinite score is an
-    # overflow upstream more often than a real extreme; both poison the result.
-    broken = ~(jnp.all(jnp.isfinite(sorted_in)) & jnp.all(jnp.isfinite(out_scores)))
-    return jnp.where(broken, jnp.nan, jnp.mean(wins))
+    below = jnp.searchsorted(sorted_in, out_ranks, side="left")
+    below_or_equal = jnp.searchsorted(sorted_in, out_ranks, side="right")
+    wins = (below + below_or_equal).astype(dtype) / (2 * in_ranks.shape[0])
+    # NaN has no rank: the AUROC of unranked scores is undefined. An infinite
+    # score is an overflow upstream more often than a real extreme; both
+    # poison the result.
+    return jnp.where(unranked, jnp.nan, jnp.mean(wins))
 
 
 def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
@@ -351,7 +349,9 @@ def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
     :func:`total_entropy`). The AUROC is the probability that a random
     out-of-distribution example outscores a random in-distribution one, ties
     counted as half (the Mann-Whitney U statistic over ``n_in * n_out``),
-    computed with one sort and two binary searches: ``O(n log n)``.
+    computed with one sort and two binary searches: ``O(n log n)``. It equals
+    scikit-learn's ``roc_auc_score``: scores are compared exactly, in their
+    own dtype (see the note below).
 
     >>> import jax.numpy as jnp
     >>> from ensembles import uncertainty
@@ -376,8 +376,18 @@ def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
 
     Raises:
       ValueError: if either array is not 1-D or is empty.
-      TypeError: if either array is not real-valued.
+      TypeError: if either array is not a real-valued array (e.g. ``None``).
+
+    Note:
+      Known scores (a numpy or JAX array, outside :func:`jax.jit`) are ranked
+      exactly as scikit-learn ranks them, in the dtype numpy concatenates
+      them to: int64 scores above ``2**24`` or float64 scores closer than
+      float32's spacing stay distinct, with or without ``jax_enable_x64``.
+      Under :func:`jax.jit` the scores are what JAX holds (without x64, 64-bit
+      inputs become 32-bit as they enter) and are compared in the dtype JAX
+      promotes the two arrays to (int32 against float32 scores: float32).
     """
-    return _auroc(
-        _check_scores(in_scores, "in_scores"), _check_scores(out_scores, "out_scores")
-    )
+    in_scores = _check_scores(in_scores, "in_scores")
+    out_scores = _check_scores(out_scores, "out_scores")
+    in_ranks, out_ranks, unranked, dtype = _joint_ranks(in_scores, out_scores)
+    return _auroc(in_ranks, out_ranks, unranked, dtype=dtype)

@@ -5,37 +5,24 @@ negatives) and of out-of-distribution examples (the positives, expected to
 score higher) and computes with sorts and binary searches, ``O(n log n)``.
 Thresholds lie at the distinct score values, as scikit-learn puts them:
 :func:`aupr` is its ``average_precision_score`` and :func:`fpr_at_tpr` reads
-its ``roc_curve``. Either is NaN if any score is NaN or infinite. See
+its ``roc_curve``. Either is NaN if any score is NaN or infinite. Known scores
+are compared exactly, in their own dtype, as scikit-learn compares them; under
+:func:`jax.jit`, in the dtype JAX holds them in (see :func:`auroc`'s note). See
 :mod:`ensembles.uncertainty`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from ensembles._checks import check_real
-from ensembles.uncertainty._common import _check_scores
+from ensembles.uncertainty._common import _check_scores, _joint_ranks
 
 __all__ = ["aupr", "fpr_at_tpr"]
-
-
-def _sorted_common_float(
-    in_scores: jax.Array, out_scores: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns both sorted, in a float dtype >= float32, and whether unranked.
-
-    Unranked means some score is NaN or infinite: the metric is then NaN.
-    """
-    dtype = jnp.promote_types(
-        jnp.promote_types(in_scores.dtype, out_scores.dtype), jnp.float32
-    )
-    sorted_in = jnp.sort(in_scores.astype(dtype))
-    sorted_out = jnp.sort(out_scores.astype(dtype))
-    broken = ~(jnp.all(jnp.isfinite(sorted_in)) & jnp.all(jnp.isfinite(sorted_out)))
-    return sorted_in, sorted_out, broken
 
 
 def _at_or_above(sorted_scores: jax.Array, thresholds: jax.Array) -> jax.Array:
@@ -44,16 +31,18 @@ def _at_or_above(sorted_scores: jax.Array, thresholds: jax.Array) -> jax.Array:
     return sorted_scores.shape[0] - below
 
 
-@jax.jit
-def _aupr(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
-    sorted_in, sorted_out, broken = _sorted_common_float(in_scores, out_scores)
+@functools.partial(jax.jit, static_argnames="dtype")
+def _aupr(
+    in_ranks: jax.Array, out_ranks: jax.Array, unranked: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    sorted_in, sorted_out = jnp.sort(in_ranks), jnp.sort(out_ranks)
     # sum over thresholds t of (recall(t) - recall(next t above)) * precision(t)
     # = the mean over positives of the precision at their own score: a tie
     # group of positives raises recall at one threshold, its precision's.
     true_pos = _at_or_above(sorted_out, sorted_out)
     false_pos = _at_or_above(sorted_in, sorted_out)
-    precision = true_pos.astype(sorted_out.dtype) / (true_pos + false_pos)
-    return jnp.where(broken, jnp.nan, jnp.mean(precision))
+    precision = true_pos.astype(dtype) / (true_pos + false_pos)
+    return jnp.where(unranked, jnp.nan, jnp.mean(precision))
 
 
 def aupr(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
@@ -88,11 +77,12 @@ def aupr(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
 
     Raises:
       ValueError: if either array is not 1-D or is empty.
-      TypeError: if either array is not real-valued.
+      TypeError: if either array is not a real-valued array (e.g. ``None``).
     """
-    return _aupr(
-        _check_scores(in_scores, "in_scores"), _check_scores(out_scores, "out_scores")
-    )
+    in_scores = _check_scores(in_scores, "in_scores")
+    out_scores = _check_scores(out_scores, "out_scores")
+    in_ranks, out_ranks, unranked, dtype = _joint_ranks(in_scores, out_scores)
+    return _aupr(in_ranks, out_ranks, unranked, dtype=dtype)
 
 
 def _positives_needed(tpr: float, num_out: int) -> int:
@@ -109,19 +99,23 @@ def _positives_needed(tpr: float, num_out: int) -> int:
     return k
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="dtype")
 def _fpr_at_tpr(
-    in_scores: jax.Array, out_scores: jax.Array, needed: jax.Array
+    in_ranks: jax.Array,
+    out_ranks: jax.Array,
+    unranked: jax.Array,
+    needed: jax.Array,
+    dtype: jnp.dtype,
 ) -> jax.Array:
-    sorted_in, sorted_out, broken = _sorted_common_float(in_scores, out_scores)
+    sorted_in, sorted_out = jnp.sort(in_ranks), jnp.sort(out_ranks)
     # The first threshold (descending) flagging `needed` positives is the
     # needed-th largest positive score; every negative at or above it is a
     # false positive. (`needed` is an argument, not static: one compilation
     # serves every tpr.)
     threshold = sorted_out[sorted_out.shape[0] - needed]
     false_pos = _at_or_above(sorted_in, threshold[None])[0]
-    fpr = false_pos.astype(sorted_in.dtype) / sorted_in.shape[0]
-    return jnp.where(broken, jnp.nan, fpr)
+    fpr = false_pos.astype(dtype) / sorted_in.shape[0]
+    return jnp.where(unranked, jnp.nan, fpr)
 
 
 def fpr_at_tpr(
@@ -161,8 +155,8 @@ def fpr_at_tpr(
     Raises:
       ValueError: if either array is not 1-D or is empty, or ``tpr`` lies
         outside ``(0, 1]``.
-      TypeError: if either array is not real-valued, or ``tpr`` is not a
-        concrete real number.
+      TypeError: if either array is not a real-valued array (e.g. ``None``),
+        or ``tpr`` is not a concrete real number.
     """
     tpr = check_real(tpr, "tpr")
     if not 0.0 < tpr <= 1.0:
@@ -170,4 +164,5 @@ def fpr_at_tpr(
     in_scores = _check_scores(in_scores, "in_scores")
     out_scores = _check_scores(out_scores, "out_scores")
     needed = _positives_needed(tpr, out_scores.shape[0])
-    return _fpr_at_tpr(in_scores, out_scores, jnp.int32(needed))
+    in_ranks, out_ranks, unranked, dtype = _joint_ranks(in_scores, out_scores)
+    return _fpr_at_tpr(in_ranks, out_ranks, unranked, jnp.int32(needed), dtype=dtype)

@@ -395,9 +395,9 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
     original_fit = uncertainty.fit_temperature
     original_train = quality.train_method
 
-    def recording_fit(logits, labels):
+    def recording_fit(logits, labels, **kwargs):
         fitted.append((np.asarray(logits), np.asarray(labels)))
-        return original_fit(logits, labels)
+        return original_fit(logits, labels, **kwargs)
 
     def recording_train(method, model, x, y, **kwargs):
         trained_on.append(np.asarray(x))
@@ -416,14 +416,16 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
         data=data,
     )
     _, x_valid, y_valid = split_validation(data)
-    assert len(x_valid) == 20 and all(row["validation_examples"] == 20 for row in rows)
-    assert all(row["train_examples"] == 180 for row in rows)
+    assert len(x_valid) == 100 and all(
+        row["validation_examples"] == 100 for row in rows
+    )  # at least MIN_VALIDATION, at most half
+    assert all(row["train_examples"] == 100 for row in rows)
     held = {row.tobytes() for row in x_valid}
     train_rows = {row.tobytes() for row in data.x_train}
     test_rows = {row.tobytes() for row in data.x_test}
     assert held <= train_rows and not held & test_rows
     for x in trained_on:  # no method saw a validation example
-        assert len(x) == 180 and not {row.tobytes() for row in x} & held
+        assert len(x) == 100 and not {row.tobytes() for row in x} & held
     assert len(fitted) == len(predicted) == 2
     for (logits, labels), predict in zip(fitted, predicted, strict=True):
         np.testing.assert_array_equal(labels, y_valid)
@@ -440,8 +442,9 @@ def test_a_validation_set_of_your_own_is_kept(data):
     np.testing.assert_array_equal(y_valid, data.y_test[:10])
     with pytest.raises(ValueError, match="`x_valid` and `y_valid` go together"):
         dataclasses.replace(data, x_valid=data.x_test[:10])
+    one = dataclasses.replace(data, x_train=data.x_train[:1], y_train=data.y_train[:1])
     with pytest.raises(ValueError, match="holds out 0: at least one"):
-        split_validation(data, fraction=0.001)
+        split_validation(one)
 
 
 @pytest.mark.parametrize(
@@ -634,7 +637,7 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     assert "Recalibrated NLL / ECE by shift severity" in printed
     # --quick trains on smaller sets, and says so.
     assert (
-        "mnist1d: 2,000 training examples (--quick), 200 of them held out to fit "
+        "mnist1d: 2,000 training examples (--quick), 300 of them held out to fit "
         "temperatures; 3 training steps per method"
     ) in printed
     result = json.loads(out.read_text())
@@ -659,7 +662,7 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
         )
         assert sorted(row["shift_mean"]) == sorted(METRICS)
         assert row["temperature"] > 0
-        assert (row["train_examples"], row["validation_examples"]) == (1800, 200)
+        assert (row["train_examples"], row["validation_examples"]) == (1700, 300)
         recalibrated = row["recalibrated"]
         assert sorted(recalibrated["in_distribution"]) == sorted(METRICS)
         assert [lv["severity"] for lv in recalibrated["shift"]] == list(SEVERITIES)
@@ -884,3 +887,29 @@ def test_a_factory_module_in_the_working_directory_is_found(tmp_path, monkeypatc
     assert load_factory("my_model_here:build").__name__ == "build"
     with pytest.raises(ValueError, match="add its folder to PYTHONPATH"):
         load_factory("not_a_module_anywhere:build")
+
+
+def test_a_temperature_the_validation_set_cannot_identify_is_flagged():
+    # On held-out examples without a single error the NLL falls as T -> 0:
+    # the fit ends at its lower bound, and the row and the table say so.
+    data = _user_data()
+    trained = train_method(
+        "batchensemble", _tiny, data.x_train, data.y_train, num_members=2, steps=60
+    )
+    pooled = np.asarray(trained.predict(data.x_train)).mean(axis=0)
+    right = pooled.argmax(-1) == data.y_train
+    assert 10 < right.sum() < len(right)
+    flagged = evaluate(
+        trained, data, x_valid=data.x_train[right], y_valid=data.y_train[right]
+    )
+    assert flagged["temperature"] == pytest.approx(0.05, rel=1e-3)
+    assert flagged["temperature_at_bound"] is True
+    fair = evaluate(trained, data, x_valid=data.x_train, y_valid=data.y_train)
+    assert fair["temperature_at_bound"] is False
+    row = {"method": "batchensemble", "model": "tiny", "members": 2, "seed": 0}
+    rows = [{**row, "params": 1, "train_s": 1.0, **flagged}]
+    text = format_quality(rows)
+    assert "the held-out examples did not identify it" in text
+    assert any(
+        line.startswith("batchensemble") and "*" in line for line in text.splitlines()
+    )

@@ -36,6 +36,7 @@ from ensembles.benchmark.quality import (
     run_quality,
     split_validation,
     summarize,
+    validation_size,
 )
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
@@ -96,5 +97,6 @@ __all__ = [
     "split_validation",
     "summarize",
     "train_method",
+    "validation_size",
     "write_quality_plot",
 ]

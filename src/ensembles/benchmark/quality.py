@@ -18,6 +18,7 @@ any other would.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,12 +46,14 @@ from ensembles.benchmark.quality_models import (
 __all__ = [
     "METRICS",
     "MIN_GAP",
+    "MIN_VALIDATION",
     "VALIDATION_FRACTION",
     "check_run",
     "evaluate",
     "run_quality",
     "split_validation",
     "summarize",
+    "validation_size",
 ]
 
 #: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`
@@ -59,15 +62,37 @@ METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier", "aurc")
 
 #: The share of the training set held out (when the data has no validation
 #: set of its own) to fit every method's temperature on; no method trains on
-#: it.
+#: it. At least :data:`MIN_VALIDATION` examples are held out (at most half the
+#: set).
 VALIDATION_FRACTION: float = 0.1
+
+#: The fewest examples held out: a temperature is only identified by a
+#: validation set with errors on it. On one without (a 98%-accurate digits
+#: model has none in 120 examples one time in ten) the NLL falls as T -> 0 and
+#: the fit ends at its lower bound (the benchmark flags such a fit:
+#: ``temperature_at_bound``).
+MIN_VALIDATION: int = 300
 
 #: "Gap closed" is only defined where the deep ensemble's NLL is lower than
 #: one model's by at least this share of one model's NLL: over a smaller gap
 #: the ratio is noise (a 0.001 gap makes 125% or -1200% of nothing).
 MIN_GAP: float = 0.02
 
+#: The temperatures :func:`evaluate` fits within (those of
+#: :func:`ensembles.uncertainty.fit_temperature`).
+TEMPERATURE_BOUNDS: tuple[float, float] = (0.05, 20.0)
+
 _SPLIT_SEED = 20261126  # the validation split is the same for every seed
+
+
+def validation_size(count: int, fraction: float = VALIDATION_FRACTION) -> int:
+    """How many of ``count`` training examples :func:`split_validation` holds out.
+
+    >>> from ensembles.benchmark.quality import validation_size
+    >>> validation_size(8000), validation_size(1197), validation_size(100)
+    (800, 300, 50)
+    """
+    return min(max(round(fraction * count), MIN_VALIDATION), count // 2)
 
 
 def split_validation(
@@ -77,21 +102,24 @@ def split_validation(
 
     A :class:`QualityData` with a validation set of its own (``x_valid``)
     keeps it and trains on all of ``x_train``; otherwise ``fraction`` of the
-    training examples (a fixed, seeded choice, the same for every method and
-    seed) are held out and the rest train. The test and shifted sets are
-    never touched.
+    training examples, but at least :data:`MIN_VALIDATION` and at most half
+    of them (a fixed, seeded choice, the same for every method and seed), are
+    held out and the rest train. The test and shifted sets are never touched.
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality import split_validation
     >>> from ensembles.benchmark.quality_data import load_quality_data
     >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
     >>> train, x_valid, y_valid = split_validation(data)
+    >>> train.x_train.shape, x_valid.shape          # half: fewer than 600
+    ((50, 40), (50, 40))
+    >>> train, x_valid, _ = split_validation(load_quality_data())
     >>> train.x_train.shape, x_valid.shape
-    ((90, 40), (10, 40))
+    ((7200, 40), (800, 40))
 
     Args:
       data: the task's data.
-      fraction: the share of ``x_train`` held out, in ``(0, 1)``.
+      fraction: the share of ``x_train`` held out (within the bounds above).
 
     Returns:
       ``(data to train on, x_valid, y_valid)``.
@@ -102,7 +130,7 @@ def split_validation(
     if data.x_valid is not None:
         return data, np.asarray(data.x_valid), np.asarray(data.y_valid)
     count = len(data.x_train)
-    held = round(fraction * count)
+    held = validation_size(count, fraction)
     if not 0 < held < count:
         raise ValueError(
             f"a validation fraction of {fraction} of {count} training examples "
@@ -204,7 +232,11 @@ def evaluate(
       metric: value, ...}, ...], "shift_mean": {metric: mean over
       severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a,
       "fpr95_entropy": f, "fpr95_mi": f}}, "temperature": T,
-      "recalibrated": {the same but for "ood": entropy only}}``. The
+      "temperature_at_bound": bool, "recalibrated": {the same but for "ood":
+      entropy only}}``. ``temperature_at_bound`` says the fit ended at one of
+      :data:`TEMPERATURE_BOUNDS`: the validation set did not identify T (at
+      the lower bound: typically no error on it, where the NLL falls as T ->
+      0), and the recalibrated figures are not to be trusted. The
       ``ood`` entries tell the set from the test set by total entropy and by
       mutual information (AUROC, and the false-positive rate at 95% true
       positives); the ``_mi`` entries are ``None`` where there is one member
@@ -214,10 +246,16 @@ def evaluate(
       method as trained: ``recalibrated["ood"]`` has the entropy scores only.
     """
     temperature = float(
-        uncertainty.fit_temperature(trained.predict(x_valid), np.asarray(y_valid))
+        uncertainty.fit_temperature(
+            trained.predict(x_valid), np.asarray(y_valid), bounds=TEMPERATURE_BOUNDS
+        )
     )
     result = _measure_sets(trained.predict, data, mutual_information=True)
     result["temperature"] = temperature
+    # At a bound the validation set did not identify T (no errors on it, say).
+    result["temperature_at_bound"] = any(
+        math.isclose(temperature, bound, rel_tol=1e-3) for bound in TEMPERATURE_BOUNDS
+    )
 
     def recalibrated(x: np.ndarray) -> jax.Array:
         return uncertainty.scale_temperature(trained.predict(x), temperature)

@@ -98,12 +98,18 @@ def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
             entry["method"],
             f"{entry['params']:,}",
             f"{entry['train_s']['mean']:.1f}",
-            _cell(entry["temperature"], entry["seeds"]),
+            _cell(entry["temperature"], entry["seeds"]) + _at_bound(entry),
             *(_cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
         ]
         for entry in group
     ]
     return header, [*rows, ["best", "", "", "", *_best_row(group, columns)]]
+
+
+def _at_bound(entry: dict[str, Any]) -> str:
+    """``"*"`` where a seed's temperature fit ended at a bound."""
+    stats = entry.get("temperature_at_bound")
+    return "*" if stats is not None and stats["mean"] else ""
 
 
 def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
@@ -144,10 +150,7 @@ def _severity_table(group, part: str | None) -> tuple[list[str], list[list[str]]
         rows.append(
             [
                 entry["method"],
-                *(
-                    f"{_mean(lv, 'nll')} / {_mean(lv, 'ece')}"
-                    for lv in levels
-                ),
+                *(f"{_mean(lv, 'nll')} / {_mean(lv, 'ece')}" for lv in levels),
             ]
         )
     return header, rows
@@ -268,6 +271,13 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
             "",
             render_table(*_recalibrated_table(group), markdown=markdown, left=0),
         ]
+        if any(_at_bound(entry) for entry in group):
+            block += [
+                "",
+                "* In some seed the temperature's fit ended at a bound: the held-out "
+                "examples did not identify it (at the lower bound: no error among "
+                "them), and that row's recalibrated figures are not to be trusted.",
+            ]
         gap = _gap_lines(group)
         if gap:
             block += ["", gap]

@@ -9,7 +9,7 @@ einsum). Medians of per-round ratios over interleaved rounds in one process:
 compare ratios, not milliseconds, across machines. On CPU the Pallas kernel
 only interprets, so it is not timed there. On a Hopper GPU in bfloat16 it also
 times ``hopper``, the Mosaic GPU forward kernel (``fused_dense(...,
-_family="hopper")``; its gradient is the jnp formulation's), which no ``impl``
+family="hopper")``; its gradient is the jnp formulation's), which no ``impl``
 runs until these figures say it should. These figures decide whether a kernel
 family may ever become a default (today every default is ``"xla"``; the
 kernels are opt-in through ``impl="pallas"``)::
@@ -73,7 +73,7 @@ def methods(shape, impls):
         return y.reshape(x.shape[0], -1)
 
     def hopper(x, kernel, r, s, bias):
-        return fused_dense(x, kernel, r, s, bias, _family="hopper")
+        return fused_dense(x, kernel, r, s, bias, family="hopper")
 
     found = {"linear": linear, "deep": deep}
     for impl in impls:

@@ -1,10 +1,6 @@
 """Reading what a function lowers to: the equations of one primitive."""
 
-import functools
-
 import jax
-
-from ensembles.ops.autodiff import IMPLEMENTATIONS
 
 
 def _subjaxprs(value):
@@ -18,27 +14,22 @@ def _subjaxprs(value):
 
 
 def equations(closed_jaxpr, primitive: str) -> list:
-    """Every equation of ``primitive`` in ``closed_jaxpr``, recursively.
+    """``(equation, times)`` of every ``primitive`` in ``closed_jaxpr``, recursively.
 
-    Walks into ``pjit``, ``custom_vjp_call`` and any other primitive that
-    carries sub-jaxprs, and into the op primitives of
-    :mod:`ensembles.ops.autodiff` (traced from the function they run).
+    Walks into ``pjit``, ``scan``, ``custom_jvp_call`` and any other primitive
+    that carries sub-jaxprs; ``times`` is how often the equation runs (the
+    product of the lengths of the scans around it).
     """
     found = []
 
-    def walk(jaxpr):
+    def walk(jaxpr, times):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == primitive:
-                found.append(eqn)
+                found.append((eqn, times))
+            inner = times * eqn.params.get("length", 1)
             for param in eqn.params.values():
                 for sub in _subjaxprs(param):
-                    walk(sub)
-            if eqn.primitive in IMPLEMENTATIONS:
-                fn = functools.partial(IMPLEMENTATIONS[eqn.primitive], **eqn.params)
-                avals = [
-                    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars
-                ]
-                walk(jax.make_jaxpr(fn)(*avals).jaxpr)
+                    walk(sub, inner)
 
-    walk(closed_jaxpr.jaxpr)
+    walk(closed_jaxpr.jaxpr, 1)
     return found

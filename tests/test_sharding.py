@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from flax import nnx
 
 import ensembles
 from ensembles.layers import sharding
-from ensembles.ops import dense, dense_formulations
+from ensembles.ops import dense
 
 SCRIPT = textwrap.dedent(
     """
@@ -226,6 +227,7 @@ def _activation_gathers(run):
 SHARDED_CASES = ["E4", "E8", "E3", "E3_explicit", "E4_data_model"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARDED_CASES)
 def test_sharded_training_matches_unsharded(sharded_runs, name):
     reference = sharded_runs[name]["reference"]["params"]
@@ -248,6 +250,7 @@ def test_sharded_training_matches_unsharded(sharded_runs, name):
     assert losses[-1] < 0.9 * losses[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["E4", "E8", "E3", "E3_explicit"])
 def test_data_parallel_step_gathers_nothing(sharded_runs, name):
     run = sharded_runs[name]["sharded"]
@@ -257,6 +260,7 @@ def test_data_parallel_step_gathers_nothing(sharded_runs, name):
     assert run["all_gathers"] == []
 
 
+@pytest.mark.slow
 def test_member_reshapes_would_gather_rows(sharded_runs):
     # The control that shows the gather count can fail: the one-device
     # formulation splits rows [E*B] into [E, B]; with E=3 on 8 devices the
@@ -266,6 +270,7 @@ def test_member_reshapes_would_gather_rows(sharded_runs):
     assert _activation_gathers(run), run["all_gathers"]
 
 
+@pytest.mark.slow
 def test_parameters_placed_from_metadata(sharded_runs):
     specs = sharded_runs["E4_data_model"]["sharded"]["specs"]
     for layer in range(3):
@@ -280,6 +285,7 @@ def test_parameters_placed_from_metadata(sharded_runs):
     assert all(a is None for spec in data_specs.values() for a in spec)
 
 
+@pytest.mark.slow
 def test_model_parallel_step_never_gathers_the_batch(sharded_runs):
     # Rows stay split over `data`. What is all-gathered is each data shard's
     # hidden activations over `model` ([E*B/2, hidden]), since every kernel
@@ -334,10 +340,10 @@ def test_from_linear_keeps_the_bias_annotation():
     assert layer.extract_member(1).bias.get_metadata()["out_sharding"] == ("model",)
 
 
-def _by_member(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    """The one-device path (member reshapes), in the formulation of the rule."""
-    config = dense_formulations.DenseConfig(precision, preferred_element_type, None)
-    return dense._dense_by_member(inputs, kernel, r, s, bias, config)
+def _by_member(inputs, kernel, r, s, bias, **options):
+    """The one-device path (member reshapes), as the op runs it on one device."""
+    with mock.patch.object(dense, "rows_may_be_sharded", lambda: False):
+        return dense.dense_rows(inputs, kernel, r, s, bias, **options)
 
 
 @pytest.mark.parametrize("leading", [(), (3,), (2, 3)])
@@ -369,7 +375,7 @@ def test_row_formulation_matches_member_formulation(leading, use_bias):
                 formulation(*args, **options),
                 jax.grad(functools.partial(loss, formulation), argnums)(*args),
             )
-            for formulation in (dense_formulations.dense_by_row, _by_member)
+            for formulation in (dense.dense_by_row, _by_member)
         ]
 
     (by_row, grads_row), (by_member, grads_member) = both(*args)

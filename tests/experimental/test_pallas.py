@@ -202,7 +202,7 @@ def test_kernels_on_the_gpu_table(launches, family, shape, dtype):
     args = make_args(sum(shape), num_members, batch, (), fan_in, fan_out, dtype)
 
     def fn(*a):
-        return fused_dense(*a, _family=family)
+        return fused_dense(*a, family=family)
 
     assert_matches_reference(fn, args, num_members, dtype)
     # Forward, the forward again inside the VJP's trace, dx/dr and dkernel/ds.

@@ -37,7 +37,7 @@ def _runnable():
 
 def hopper(x, kernel, r, s, bias, **kwargs):
     return fused_dense(
-        x, kernel, r, s, bias, interpret=not ON_GPU, _family="hopper", **kwargs
+        x, kernel, r, s, bias, interpret=not ON_GPU, family="hopper", **kwargs
     )
 
 
@@ -131,13 +131,15 @@ def test_tiles_cover_every_axis():
 def test_float32_operands_are_refused():
     x, kernel, r, s, bias = make_args(0, 2, 4, (), 8, 8, jnp.float32)
     with pytest.raises(TypeError, match=r"Hopper .*bfloat16.*got float32"):
-        fused_dense(x, kernel, r, s, bias, _family="hopper", interpret=True)
+        fused_dense(x, kernel, r, s, bias, family="hopper", interpret=True)
 
 
 def test_unknown_family_is_refused():
     x, kernel, r, s, bias = make_args(0, 2, 4, (), 8, 8, jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"`_family` must be .*'hopper', got 'x'"):
-        fused_dense(x, kernel, r, s, bias, _family="x")
+    with pytest.raises(
+        ValueError, match=r"`family` must be None or one of .*, got 'x'"
+    ):
+        fused_dense(x, kernel, r, s, bias, family="x")
 
 
 def test_interpreter_needs_jax_0_12():
@@ -145,7 +147,7 @@ def test_interpreter_needs_jax_0_12():
         pytest.skip(f"jax {jax.__version__} has the Mosaic GPU interpreter")
     x, kernel, r, s, bias = make_args(0, 2, 4, (), 8, 8, jnp.bfloat16)
     with pytest.raises(NotImplementedError, match=r"needs jax >= 0.12.*this is jax"):
-        fused_dense(x, kernel, r, s, bias, _family="hopper", interpret=True)
+        fused_dense(x, kernel, r, s, bias, family="hopper", interpret=True)
 
 
 def _lower_for_h100(fn, args, num_cores):
@@ -165,7 +167,7 @@ def test_compiled_kernel_needs_the_number_of_sms():
     args = make_args(0, 2, 64, (), 128, 128, jnp.bfloat16, False)[:4]
 
     def fn(*a):
-        return fused_dense(*a, _family="hopper")
+        return fused_dense(*a, family="hopper")
 
     with pytest.raises(ValueError, match=r"one program per streaming.*num_cores"):
         _lower_for_h100(fn, args, num_cores=None)
@@ -180,7 +182,7 @@ def test_lowers_for_cuda_from_cpu(use_bias):
     args = [a for a in (x, kernel, r, s, bias) if a is not None]
 
     def fn(*a):
-        return fused_dense(*a, _family="hopper")
+        return fused_dense(*a, family="hopper")
 
     text = _lower_for_h100(fn, args, num_cores=132)
     assert text.count("custom_call @mosaic_gpu") == 1

@@ -172,16 +172,16 @@ def test_gradients_match_jax_grad_of_flax_reference(config, dtype, use_bias):
     assert_close(grad_x, expected[4], dtype, scale=8)
 
 
-def test_op_without_batch_axes_runs_batch_ensemble_dense(monkeypatch):
+def test_op_without_batch_axes_runs_the_dense_op(monkeypatch):
     """The op flattens to the dense op (and passes `impl` through)."""
     calls = []
-    original = ensembles.ops.dense.batch_ensemble_dense
+    original = ensembles.ops.dense.dense_rows
 
     def spy(*args, **kwargs):
         calls.append(kwargs["impl"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ensembles.ops.dense, "batch_ensemble_dense", spy)
+    monkeypatch.setattr(ensembles.ops.dense, "dense_rows", spy)
     layer = make_layer("attention_out", impl="xla")
     x = random_input(0, (6, 5, 2, 4))
     assert_close(layer(x), reference(layer, x))

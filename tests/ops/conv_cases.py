@@ -1,10 +1,10 @@
 """The convolution cases the ``"xla"`` conv tests share: operands, references.
 
 A :class:`Case` is one convolution (shapes, options, dtype); :func:`check`
-runs :func:`~ensembles.ops.conv.conv_rows` on it in a forced formulation and
-compares its forward and the gradients w.r.t. the differentiated operands
-with a per-member loop that runs ``lax.conv_general_dilated`` with each
-member's explicit effective kernel (:func:`tests.reference.conv_effective_kernel`),
+runs :func:`~ensembles.ops.conv.conv_rows` on it and compares its forward
+and the gradients w.r.t. the differentiated operands with a per-member loop
+that runs ``lax.conv_general_dilated`` with each member's explicit effective
+kernel (:func:`tests.reference.conv_effective_kernel`),
 differentiated in float32 on upcast operands.
 """
 
@@ -16,20 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ensembles.ops import Formulation, batch_ensemble_conv
-from ensembles.ops.conv import ConvConfig, conv_rows
+from ensembles.ops import batch_ensemble_conv
+from ensembles.ops.conv import conv_rows
 from tests.jaxprs import equations
 from tests.reference import conv_effective_kernel, cotangent_loss, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 NAMES = ("inputs", "kernel", "r", "s", "bias")
-FORMULATIONS = {
-    "scale-activations": Formulation("scale", "scaled_activations"),
-    "scale-kernels": Formulation("scale", "member_kernels"),
-    "fold-activations": Formulation("fold", "scaled_activations"),
-    "fold-kernels": Formulation("fold", "member_kernels"),
-}
 
 # argnums into (inputs, kernel, r, s); conv_rows is run without a bias.
 NEEDS = {
@@ -96,26 +90,24 @@ def case_args(case: Case):
     return x, kernel, r, s, bias
 
 
-def conv_config(case: Case, formulation=None) -> ConvConfig:
-    return ConvConfig(
-        case.strides,
-        case.padding,
-        case.input_dilation,
-        case.kernel_dilation,
-        case.groups,
-        None,
-        None,
-        formulation=formulation,
-    )
-
-
-def conv_op(case: Case, formulation=None):
-    """``(x, kernel, r, s) -> y``: the op without a bias, ``formulation`` forced."""
-    config = conv_config(case, formulation)
+def conv_op(case: Case):
+    """``(x, kernel, r, s) -> y``: the op without a bias."""
 
     def op(x, kernel, r, s):
         return conv_rows(
-            x, kernel, r, s, None, config, case.padding, num_members=case.num_members
+            x,
+            kernel,
+            r,
+            s,
+            None,
+            num_members=case.num_members,
+            strides=case.strides,
+            padding=case.padding,
+            input_dilation=case.input_dilation,
+            kernel_dilation=case.kernel_dilation,
+            feature_group_count=case.groups,
+            precision=None,
+            preferred_element_type=None,
         )
 
     return op
@@ -208,15 +200,14 @@ def compare(case, args, argnums, y, grads, primal_outputs=()):
         assert_close_to_scale(g, grads_ref[i], dtype, scale=4, err_msg=name)
 
 
-def check(case: Case, argnums, formulation, jit=True, primal=False):
+def check(case: Case, argnums, jit=True, primal=False):
     """Forward value and gradients w.r.t. ``argnums`` against the reference.
 
-    ``primal``: also check the forward called outside differentiation (the
-    op primitive's own evaluation, which does not depend on ``argnums``).
+    ``primal``: also check the forward called outside differentiation.
     """
     args = case_args(case)[:4]
     y_ref, _ = reference(case, False)
-    op = conv_op(case, formulation)
+    op = conv_op(case)
     grad_op = jax.value_and_grad(
         cotangent_loss(op, random_cotangent(y_ref.shape)), argnums=argnums, has_aux=True
     )
@@ -227,7 +218,7 @@ def check(case: Case, argnums, formulation, jit=True, primal=False):
     compare(case, args, argnums, y, grads, primal_outputs)
 
 
-def public_op(case: Case, formulation=None):
+def public_op(case: Case):
     """``(x, kernel, r, s, bias) -> y``: :func:`batch_ensemble_conv` on the case."""
 
     def op(*a):
@@ -240,18 +231,17 @@ def public_op(case: Case, formulation=None):
             kernel_dilation=case.kernel_dilation,
             feature_group_count=case.groups,
             impl="xla",
-            formulation=formulation,
         )
 
     return op
 
 
-def check_public(case: Case, argnums, formulation=None):
+def check_public(case: Case, argnums):
     """As :func:`check`, through the public op, with the bias (jitted)."""
     args = case_args(case)
     y_ref, _ = reference(case, True)
     fn = jax.value_and_grad(
-        cotangent_loss(public_op(case, formulation), random_cotangent(y_ref.shape)),
+        cotangent_loss(public_op(case), random_cotangent(y_ref.shape)),
         argnums=argnums,
         has_aux=True,
     )
@@ -262,4 +252,6 @@ def check_public(case: Case, argnums, formulation=None):
 def convs(closed_jaxpr):
     """Output shapes of every ``conv_general_dilated``, recursively."""
     eqns = equations(closed_jaxpr, "conv_general_dilated")
-    return [tuple(eqn.outvars[0].aval.shape) for eqn in eqns]
+    return [
+        tuple(eqn.outvars[0].aval.shape) for eqn, times in eqns for _ in range(times)
+    ]

@@ -7,7 +7,7 @@ forward mode (``jvp``, ``linearize``, ``jacfwd``, ``hessian``), transposition
 (``linear_transpose``, also of a linearized op), ``vmap`` of gradients, and
 that every matmul and convolution of the forward and of every gradient runs at
 the requested ``precision`` and ``preferred_element_type`` (read off the
-lowered StableHLO, which also shows what the op primitives run).
+lowered StableHLO).
 """
 
 import functools
@@ -26,7 +26,6 @@ from ensembles.ops import (
     batch_ensemble_dense_general,
     batch_ensemble_einsum,
 )
-from ensembles.ops.autodiff import Needs, accumulation_dtype
 from tests.reference import conv_effective_kernel
 from tests.tolerances import assert_close_to_scale
 
@@ -394,15 +393,3 @@ def test_preferred_element_type_holds_in_forward_and_gradient(name):
             # A bfloat16 product accumulates and returns float32, as asked.
             if any("bf16" in t for t in operand_types):
                 assert result.endswith("xf32>"), (kind, operand_types, result)
-
-
-def test_accumulation_dtype():
-    bf16, f32, f64 = jnp.bfloat16, jnp.float32, jnp.float64
-    assert accumulation_dtype(jnp.ones(1, bf16)) == f32
-    assert accumulation_dtype(jnp.ones(1, f32)) == f32
-    assert accumulation_dtype(jnp.ones(1, bf16), preferred_element_type=f64) == f64
-
-
-def test_needs_flags():
-    assert Needs(inputs=True, s=True).flags() == (True, False, False, True)
-    assert not Needs().params

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ensembles.ops import IMPLS, Formulation, batch_ensemble_dense
+from ensembles.ops import IMPLS, batch_ensemble_dense
 from tests.covering import covering
 from tests.reference import dense_reference, make_args
 from tests.tolerances import assert_close
@@ -239,22 +239,6 @@ class TestErrors:
             match=rf"`impl` must be one of \['xla', 'pallas'\], got '{impl}'",
         ):
             batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, impl=impl)
-
-    @pytest.mark.parametrize(
-        "bad", ["fold", ("fold", "member_kernels"), {"forward": "fold"}]
-    )
-    def test_formulation_type(self, bad):
-        x, kernel, r, s, bias = self.args()
-        with pytest.raises(TypeError, match=r"`formulation` must be an .*Formulation"):
-            batch_ensemble_dense(x, kernel, r, s, bias, num_members=2, formulation=bad)
-
-    def test_formulation_accepted(self):
-        x, kernel, r, s, bias = self.args()
-        forced = Formulation("fold", "member_kernels")
-        y = batch_ensemble_dense(
-            x, kernel, r, s, bias, num_members=2, formulation=forced
-        )
-        assert_close(y, dense_reference(x, kernel, r, s, bias, 2), scale=4)
 
 
 # Every impl over one shape grid, empty batches included: (E, rows per member,

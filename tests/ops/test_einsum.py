@@ -194,18 +194,18 @@ def pallas_interpreted_off_gpu(monkeypatch):
     """Off a GPU, ``impl="pallas"`` runs the real kernel in Pallas' interpreter.
 
     The einsum op exposes no ``interpret`` (as ``dense_general`` does not); it
-    reaches the kernel through ``batch_ensemble_dense``, which does.
+    reaches the kernel through ``dense.dense_rows``, which does.
     """
     if jax.default_backend() == "gpu":
         return
-    original = dense.batch_ensemble_dense
+    original = dense.dense_rows
 
     def interpreted(*args, impl="xla", **kwargs):
         if impl == "pallas":
             kwargs["interpret"] = True
         return original(*args, impl=impl, **kwargs)
 
-    monkeypatch.setattr(dense, "batch_ensemble_dense", interpreted)
+    monkeypatch.setattr(dense, "dense_rows", interpreted)
 
 
 @pytest.mark.parametrize("impl", dense.IMPLS)

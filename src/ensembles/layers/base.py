@@ -260,7 +260,8 @@ class BatchEnsembleModule(EnsembleModule):
         Raises:
           TypeError: if ``inputs`` is not an array (e.g. ``None``).
         """
-        inputs = as_array(inputs, "inputs")
+        if not isinstance(inputs, jax.Array):
+            inputs = as_array(inputs, "inputs")
         if self.member is not None and inputs.ndim == example_ndim:
             return inputs[None], True
         return inputs, False

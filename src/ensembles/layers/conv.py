@@ -13,12 +13,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import (
-    check_bool,
-    check_choice,
-    check_num_members,
-    check_positive_int,
-)
+from ensembles._checks import check_bool, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -26,30 +21,16 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
-    check_weight_initializers,
-    copy_of,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    drawing_from,
-    member_copies,
     member_slice,
-    new_param,
 )
-from ensembles.layers.posterior import (
-    DEFAULT_PRIOR_STDDEV,
-    check_posterior,
-    check_prior_stddev,
-    check_rng_collection,
-    default_stddev_init,
-    new_unconstrained_stddev,
-    posterior_stream,
-)
+from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
+from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
 from ensembles.ops import conv, conv_options
-from ensembles.ops.autodiff import static_precision
-from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleConv"]
 
@@ -210,69 +191,44 @@ class BatchEnsembleConv(BatchEnsembleModule):
             )
         kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
         conv_options.check_mask(mask, kernel_shape)
-        impl = check_choice(impl, "impl", conv.IMPLS)
-        num_members = check_num_members(num_members)
+        num_members, impl, posterior, prior_stddev, deterministic, rng_collection = (
+            check_weight_options(
+                num_members,
+                impl,
+                conv.IMPLS,
+                posterior,
+                prior_stddev,
+                deterministic,
+                rng_collection,
+            )
+        )
         use_bias = check_bool(use_bias, "use_bias")
-        posterior = check_posterior(posterior)
-        prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_bool(deterministic, "deterministic")
-        rng_collection = check_rng_collection(rng_collection)
-        check_weight_initializers(
+        (
+            self.kernel,
+            self.r,
+            self.s,
+            self.bias,
+            self.r_unconstrained_stddev,
+            self.s_unconstrained_stddev,
+            self.rngs,
+        ) = new_weights(
+            rngs,
+            kernel_shape=kernel_shape,
+            r_shape=(num_members, in_features),
+            s_shape=(num_members, out_features),
+            bias_shape=(num_members, out_features) if use_bias else None,
+            param_dtype=param_dtype,
             kernel_init=kernel_init,
             bias_init=bias_init,
             r_init=r_init,
             s_init=s_init,
-            stddev_init=stddev_init,
-            use_bias=use_bias,
             posterior=posterior,
+            stddev_init=stddev_init,
+            rng_collection=rng_collection,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
+            fast_weight_metadata=fast_weight_metadata,
         )
-        with drawing_from(rngs) as draw:
-            self.kernel = new_param(
-                nnx.Param,
-                kernel_init,
-                draw,
-                kernel_shape,
-                param_dtype,
-                kernel_metadata,
-                "kernel_init",
-            )
-            self.r = new_param(
-                FastWeight,
-                r_init,
-                draw,
-                (num_members, in_features),
-                param_dtype,
-                fast_weight_metadata,
-                "r_init",
-            )
-            self.s = new_param(
-                FastWeight,
-                s_init,
-                draw,
-                (num_members, out_features),
-                param_dtype,
-                fast_weight_metadata,
-                "s_init",
-            )
-            if use_bias:
-                self.bias = new_param(
-                    nnx.Param,
-                    bias_init,
-                    draw,
-                    (num_members, out_features),
-                    param_dtype,
-                    bias_metadata,
-                    "bias_init",
-                )
-            else:
-                self.bias = nnx.data(None)
-            self.r_unconstrained_stddev = new_unconstrained_stddev(
-                posterior, stddev_init, draw, self.r, fast_weight_metadata
-            )
-            self.s_unconstrained_stddev = new_unconstrained_stddev(
-                posterior, stddev_init, draw, self.s, fast_weight_metadata
-            )
-            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.kernel_size = kernel_size
@@ -355,7 +311,6 @@ class BatchEnsembleConv(BatchEnsembleModule):
           ValueError: if ``layer`` uses a custom ``conv_general_dilated``,
             which the BatchEnsemble op cannot honour.
         """
-        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             layer,
             nnx.Conv,
@@ -366,8 +321,9 @@ class BatchEnsembleConv(BatchEnsembleModule):
                 "jax.lax.conv_general_dilated",
             ),
         )
-        bias_init, bias_metadata = member_copies(layer.bias)
-        new = cls(
+        return from_flax_layer(
+            cls,
+            layer,
             layer.in_features,
             layer.out_features,
             layer.kernel_size,
@@ -380,27 +336,16 @@ class BatchEnsembleConv(BatchEnsembleModule):
             use_bias=layer.bias is not None,
             mask=layer.mask,
             dtype=layer.dtype,
-            # The dtype the parameters are held in (a model cast after it was
-            # built keeps a stale `param_dtype`).
-            param_dtype=layer.kernel.dtype,
             precision=layer.precision,
-            kernel_init=copy_of(layer.kernel),
-            bias_init=bias_init,
             r_init=r_init,
             s_init=s_init,
-            promote_dtype=layer.promote_dtype,
-            preferred_element_type=layer.preferred_element_type,
+            share_kernel=share_kernel,
             impl=impl,
             posterior=posterior,
             prior_stddev=prior_stddev,
             stddev_init=stddev_init,
             rngs=rngs,
-            kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
         )
-        if share_kernel:
-            new.kernel = layer.kernel
-        return new
 
     @over_layer_axes
     def extract_member(self, member: int) -> nnx.Conv:
@@ -500,16 +445,19 @@ class BatchEnsembleConv(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        config = conv.ConvConfig(
+        outputs = conv.conv_rows(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            num_members=num_members,
             strides=self.strides,
-            padding=None,
+            padding=self.padding,
             input_dilation=self.input_dilation,
             kernel_dilation=self.kernel_dilation,
             feature_group_count=self.feature_group_count,
-            precision=static_precision(self.precision),
+            precision=self.precision,
             preferred_element_type=self.preferred_element_type,
-        )
-        outputs = conv.conv_rows(
-            inputs, kernel, r, s, bias, config, self.padding, num_members=num_members
         )
         return shard_output(outputs[0] if one_example else outputs, out_sharding)

@@ -15,12 +15,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype, Initializer, PrecisionLike, PromoteDtypeFn
 from jax import lax
 
-from ensembles._checks import (
-    check_bool,
-    check_choice,
-    check_num_members,
-    check_positive_int,
-)
+from ensembles._checks import check_bool, check_positive_int
 from ensembles.layers.base import (
     BatchEnsembleModule,
     check_flax_layer,
@@ -28,30 +23,18 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
-    check_weight_initializers,
     default_bias_init,
     default_fast_weight_init,
     default_kernel_init,
-    drawing_from,
     flat_copy_of,
     flat_initializer,
-    member_copies,
     member_slice,
-    new_param,
 )
-from ensembles.layers.posterior import (
-    DEFAULT_PRIOR_STDDEV,
-    check_posterior,
-    check_prior_stddev,
-    check_rng_collection,
-    default_stddev_init,
-    new_unconstrained_stddev,
-    posterior_stream,
-)
+from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
+from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
 from ensembles.ops import dense, dense_general
-from ensembles.variables import FastWeight
 
 __all__ = ["BatchEnsembleLinearGeneral"]
 
@@ -238,71 +221,46 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 f"(={dict(batch_axis)})."
             )
         batch_shape = tuple(batch_axis[k] for k in range(len(batch_axis)))
-        impl = check_choice(impl, "impl", dense.IMPLS)
-        num_members = check_num_members(num_members)
+        num_members, impl, posterior, prior_stddev, deterministic, rng_collection = (
+            check_weight_options(
+                num_members,
+                impl,
+                dense.IMPLS,
+                posterior,
+                prior_stddev,
+                deterministic,
+                rng_collection,
+            )
+        )
         use_bias = check_bool(use_bias, "use_bias")
-        posterior = check_posterior(posterior)
-        prior_stddev = check_prior_stddev(prior_stddev)
-        deterministic = check_bool(deterministic, "deterministic")
-        rng_collection = check_rng_collection(rng_collection)
-        check_weight_initializers(
-            kernel_init=kernel_init,
-            bias_init=bias_init,
+        (
+            self.kernel,
+            self.r,
+            self.s,
+            self.bias,
+            self.r_unconstrained_stddev,
+            self.s_unconstrained_stddev,
+            self.rngs,
+        ) = new_weights(
+            rngs,
+            kernel_shape=(*batch_shape, *in_features, *out_features),
+            r_shape=(num_members, *in_features),
+            s_shape=(num_members, *out_features),
+            bias_shape=(num_members, *batch_shape, *out_features) if use_bias else None,
+            param_dtype=param_dtype,
+            kernel_init=flat_initializer(
+                kernel_init, len(batch_shape) + len(in_features), "kernel_init"
+            ),
+            bias_init=flat_initializer(bias_init, 1, "bias_init"),
             r_init=r_init,
             s_init=s_init,
-            stddev_init=stddev_init,
-            use_bias=use_bias,
             posterior=posterior,
+            stddev_init=stddev_init,
+            rng_collection=rng_collection,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
+            fast_weight_metadata=fast_weight_metadata,
         )
-        with drawing_from(rngs) as draw:
-            self.kernel = new_param(
-                nnx.Param,
-                flat_initializer(
-                    kernel_init, len(batch_shape) + len(in_features), "kernel_init"
-                ),
-                draw,
-                (*batch_shape, *in_features, *out_features),
-                param_dtype,
-                kernel_metadata,
-                "kernel_init",
-            )
-            self.r = new_param(
-                FastWeight,
-                r_init,
-                draw,
-                (num_members, *in_features),
-                param_dtype,
-                fast_weight_metadata,
-                "r_init",
-            )
-            self.s = new_param(
-                FastWeight,
-                s_init,
-                draw,
-                (num_members, *out_features),
-                param_dtype,
-                fast_weight_metadata,
-                "s_init",
-            )
-            if use_bias:
-                self.bias = new_param(
-                    nnx.Param,
-                    flat_initializer(bias_init, 1, "bias_init"),
-                    draw,
-                    (num_members, *batch_shape, *out_features),
-                    param_dtype,
-                    bias_metadata,
-                    "bias_init",
-                )
-            else:
-                self.bias = nnx.data(None)
-            self.r_unconstrained_stddev = new_unconstrained_stddev(
-                posterior, stddev_init, draw, self.r, fast_weight_metadata
-            )
-            self.s_unconstrained_stddev = new_unconstrained_stddev(
-                posterior, stddev_init, draw, self.s, fast_weight_metadata
-            )
-            self.rngs = posterior_stream(posterior, draw, rng_collection)
         self.in_features = in_features
         self.out_features = out_features
         self.axis = axis
@@ -378,7 +336,6 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             ``dot_general_cls``, which the BatchEnsemble op cannot honour, or
             contracts axis 0.
         """
-        share_kernel = check_bool(share_kernel, "share_kernel")
         check_flax_layer(
             layer,
             nnx.LinearGeneral,
@@ -387,38 +344,29 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             dot_general=(lax.dot_general, "jax.lax.dot_general"),
             dot_general_cls=(None, "jax.lax.dot_general"),
         )
-        bias_init, bias_metadata = member_copies(layer.bias)
-        new = cls(
+        return from_flax_layer(
+            cls,
+            layer,
             layer.in_features,
             layer.out_features,
+            # Called flat (see flat_initializer), as Flax's is: the copy is
+            # reshaped to the flat shape, then back.
+            kernel_init=flat_copy_of,
             num_members=num_members,
             axis=layer.axis,
             batch_axis=layer.batch_axis,
             use_bias=layer.bias is not None,
             dtype=layer.dtype,
-            # The dtype the parameters are held in (a model cast after it was
-            # built keeps a stale `param_dtype`).
-            param_dtype=layer.kernel.dtype,
-            # Called flat (see flat_initializer), as Flax's is: the copy is
-            # reshaped to the flat shape, then back.
-            kernel_init=flat_copy_of(layer.kernel),
-            bias_init=bias_init,
+            precision=layer.precision,
             r_init=r_init,
             s_init=s_init,
-            precision=layer.precision,
-            promote_dtype=layer.promote_dtype,
-            preferred_element_type=layer.preferred_element_type,
+            share_kernel=share_kernel,
             impl=impl,
             posterior=posterior,
             prior_stddev=prior_stddev,
             stddev_init=stddev_init,
             rngs=rngs,
-            kernel_metadata=layer.kernel.get_metadata(),
-            bias_metadata=bias_metadata,
         )
-        if share_kernel:
-            new.kernel = layer.kernel
-        return new
 
     @over_layer_axes
     def extract_member(self, member: int) -> nnx.LinearGeneral:

@@ -4,13 +4,9 @@ A weight layer built with ``posterior="gaussian"`` (or ``"cauchy"``) keeps its
 fast weights ``r`` and ``s`` as the posterior means and holds, beside them,
 ``r_unconstrained_stddev`` and ``s_unconstrained_stddev`` (``FastWeight`` objects of
 the same shapes; the scales are their softplus) and an rng stream, as
-``nnx.Dropout`` holds one. Its constructor creates these in plain sight::
-
-    self.r_unconstrained_stddev = new_unconstrained_stddev(
-        posterior, stddev_init, draw, self.r, fast_weight_metadata)
-    self.rngs = posterior_stream(posterior, draw, rng_collection)
-
-and :meth:`~ensembles.layers.BatchEnsembleModule._fast_weights` draws (or,
+``nnx.Dropout`` holds one; its constructor draws them with its other
+parameters (:func:`ensembles.layers.weights.new_weights`), and
+:meth:`~ensembles.layers.BatchEnsembleModule._fast_weights` draws (or,
 deterministic, returns the means) on every call. The math lives in
 :mod:`ensembles.ops.posterior`.
 """
@@ -18,18 +14,13 @@ deterministic, returns the means) on every call. The math lives in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
-from flax import nnx
-from flax.typing import Initializer
 
 from ensembles._checks import check_real
 from ensembles.initializers import unconstrained_stddev
-from ensembles.layers.parameters import new_param
 from ensembles.ops.posterior import POSTERIORS, fast_weight_kl
-from ensembles.variables import FastWeight
 
 __all__ = [
     "DEFAULT_PRIOR_STDDEV",
@@ -38,8 +29,6 @@ __all__ = [
     "check_rng_collection",
     "default_stddev_init",
     "layer_kl",
-    "new_unconstrained_stddev",
-    "posterior_stream",
 ]
 
 #: The prior N(1, 0.5**2) on every fast weight: the leave-one-task-out choice
@@ -85,44 +74,6 @@ def check_rng_collection(rng_collection: Any) -> str:
             "string ''; pass e.g. 'posterior'."
         )
     return rng_collection
-
-
-def new_unconstrained_stddev(
-    posterior: str | None,
-    stddev_init: Initializer,
-    rngs: nnx.Rngs,
-    mean: nnx.Variable,
-    metadata: Mapping[str, Any],
-) -> FastWeight | None:
-    """The unconstrained posterior scales of the fast weight ``mean``.
-
-    A ``FastWeight`` of ``mean``'s shape and dtype from ``stddev_init``, or
-    ``None`` (held as ``nnx.data(None)``) without a posterior.
-    """
-    if posterior is None:
-        return nnx.data(None)
-    return new_param(
-        FastWeight,
-        stddev_init,
-        rngs,
-        mean.shape,
-        mean.dtype,
-        metadata,
-        "stddev_init",
-    )
-
-
-def posterior_stream(
-    posterior: str | None, rngs: nnx.Rngs, rng_collection: str
-) -> nnx.RngStream | None:
-    """The stream the layer draws its fast weights from, as ``nnx.Dropout``'s.
-
-    A fork of ``rngs[rng_collection]`` (Flax falls back to the ``default``
-    stream if ``rngs`` has no such stream), or ``None`` without a posterior.
-    """
-    if posterior is None:
-        return nnx.data(None)
-    return rngs[rng_collection].fork()
 
 
 def layer_kl(layer: Any) -> jax.Array:

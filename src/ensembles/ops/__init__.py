@@ -2,14 +2,13 @@
 
 Each op validates its arguments (an array argument that is not an array, such
 as ``None``, raises a ``TypeError`` naming it) and then runs its ``jnp``
-formulation (``impl="xla"``, the default on every backend), in the
-:class:`Formulation` its own measured rule picks for the operands that are
-differentiated (``docs/cost.md``). The dense-like ops also take
-``impl="pallas"``: the fused kernels of :mod:`ensembles.experimental.pallas`,
-imported only when named.
+formula (``impl="xla"``, the default on every backend), differentiated by JAX
+except where a measured backward beats JAX's own (the dense and convolution
+ops' per-member weight gradients, ``docs/cost.md``). The dense-like ops also
+take ``impl="pallas"``: the fused kernels of
+:mod:`ensembles.experimental.pallas`, imported only when named.
 """
 
-from ensembles.ops.autodiff import Formulation
 from ensembles.ops.conv import batch_ensemble_conv
 from ensembles.ops.conv_transpose import batch_ensemble_conv_transpose
 from ensembles.ops.dense import IMPLS, batch_ensemble_dense
@@ -24,7 +23,6 @@ from ensembles.ops.normalization import (
 
 __all__ = [
     "IMPLS",
-    "Formulation",
     "batch_ensemble_conv",
     "batch_ensemble_conv_transpose",
     "batch_ensemble_dense",

@@ -1,4 +1,4 @@
-"""The BatchEnsemble convolution op: its rule, its formulations, the one path.
+"""The BatchEnsemble convolution op: its checks, the ``jnp`` formula, its derivative.
 
 Member ``k`` of :func:`batch_ensemble_conv` maps its rows ``[k*B, (k+1)*B)`` of
 a member-major, channels-last batch as a convolution with kernel ``kernel *
@@ -16,33 +16,26 @@ around every convolution: a BE CNN's forward at 3x one model's; see
 ``docs/cost.md``.) Padding that copies input values (``CIRCULAR``,
 ``REFLECT``) commutes with the per-channel scaling by ``r``.
 
-As for the dense op, write ``M_k`` for the gradient of a plain convolution's
-kernel on member ``k``'s rows alone (``x_k`` against the output cotangent
-``g_k``, before any scaling). Then::
-
-    dW   = sum_k M_k * (r_k (x) s_k)
-    dr_k = sum over all but the input-channel axis of M_k * W * s_k
-    ds_k = sum over all but the output-channel axis of M_k * W * r_k
-
-The forward is ``"scale"`` (above; keeps the unscaled ``z`` for ``ds``) or
-``"fold"`` (E convolutions of ``B`` rows, member ``k``'s with its own kernel);
-the gradients of the parameters come ``"scaled_activations"`` (one
-kernel-gradient convolution of ``x * r`` against ``g * s``; ``dr`` from the
-input-gradient convolution, ``ds`` from ``z``) or from the ``"member_kernels"``
-(E kernel-gradient convolutions of ``B`` rows each give every ``M_k``; no
-input-gradient convolution unless ``dx`` itself is needed). Grouped
-convolutions use ``"scaled_activations"`` (a grouped kernel's input-channel
-axis holds ``in/G`` channels: ``dr`` would need a regrouping not written).
-Which runs is :func:`choose_conv`'s measured table, next to it.
+The forward is that formula. Its derivative is written member by member
+(:func:`_member_tangent`, a ``jax.custom_jvp``) wherever a parameter is
+differentiated: reverse mode then forms each member's kernel gradient ``M_k``
+with one kernel-gradient convolution of its ``B`` rows and reads ``dW``,
+``dr_k`` and ``ds_k`` off it, and the input gradient (a hidden layer's) with
+one input-gradient convolution of ``B`` rows per member against its own
+kernel, with no scaling passes: on XLA's CPU backend E convolutions of ``B``
+rows train faster than one of ``E*B`` rows with the scalings around it
+(``docs/cost.md``). Grouped convolutions, and calls that differentiate the
+inputs alone, are differentiated by JAX as written.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ensembles._checks import (
     as_operands,
@@ -51,15 +44,6 @@ from ensembles._checks import (
     check_positive_int,
 )
 from ensembles.members import per_row
-from ensembles.ops import conv_formulations as math
-from ensembles.ops.autodiff import (
-    Formulation,
-    Needs,
-    Rules,
-    define,
-    static_precision,
-)
-from ensembles.ops.conv_formulations import ConvConfig, effective_kernel
 from ensembles.ops.conv_options import (
     IntOrSequence,
     PaddingLike,
@@ -69,100 +53,151 @@ from ensembles.ops.conv_options import (
     spatial_tuple,
 )
 
-__all__ = [
-    "CONV_FORMULATIONS",
-    "IMPLS",
-    "ConvConfig",
-    "ConvRule",
-    "batch_ensemble_conv",
-    "choose_conv",
-    "effective_kernel",
-]
+__all__ = ["IMPLS", "batch_ensemble_conv", "conv_rows", "effective_kernel"]
 
-#: What ``impl`` may name for the convolutions: the ``jnp`` formulation.
+#: What ``impl`` may name for the convolutions: the ``jnp`` formula.
 IMPLS: tuple[str, ...] = ("xla",)
 
-# ------------------------------------------------------------------ the rule
+
+def _conv(x, kernel, options):
+    """The plain convolution of channels-last ``x`` with ``kernel``."""
+    strides, padding, input_dilation, kernel_dilation, groups, precision, pet = options
+    spatial = tuple(range(1, x.ndim - 1))
+    lhs = (0, x.ndim - 1, *spatial)
+    rhs = (x.ndim - 1, x.ndim - 2, *range(x.ndim - 2))
+    return lax.conv_general_dilated(
+        x,
+        kernel,
+        strides,
+        padding,
+        lhs_dilation=input_dilation,
+        rhs_dilation=kernel_dilation,
+        dimension_numbers=lax.ConvDimensionNumbers(lhs, rhs, lhs),
+        feature_group_count=groups,
+        precision=precision,
+        preferred_element_type=pet,
+    )
 
 
-@dataclasses.dataclass(frozen=True)
-class ConvRule:
-    """The convolution's measured formulations on one backend.
+def _scaled_conv_formula(x, kernel, r, s, options):
+    """``conv(x * r_rows, W) * s_rows`` on the flat member-major batch."""
+    z = _conv(x * per_row(r, x.shape[0], x.ndim), kernel, options)
+    return z * per_row(s, z.shape[0], z.ndim)
 
-    Attributes:
-      forward: the forward (``"scale"`` or ``"fold"``).
-      first_layer: the backward of a layer whose inputs need no gradient.
-      hidden_layer: the backward of one whose inputs do.
+
+_scaled_conv = jax.custom_jvp(_scaled_conv_formula, nondiff_argnums=(4,))
+
+
+def _member_tangent(x, kernel, r, s, tangents, options):
+    """The tangent member by member: its transpose is the per-member backward.
+
+    ``dy_k = conv(dx_k, W_k) + conv(x_k, T_k)`` for member ``k``'s rows, with
+    ``W_k`` its effective kernel and ``T_k`` the tangent of ``W * (r_k (x)
+    s_k)``; transposed, each member's kernel gradient ``M_k`` comes from one
+    kernel-gradient convolution of its ``B`` rows and ``dW``, ``dr_k``,
+    ``ds_k`` are reductions of it, and ``dx_k`` one input-gradient convolution
+    of ``B`` rows against ``W_k``. The kernels are small: unrolled, all E
+    ``M_k`` fit where the activations would not.
     """
+    dx, dkernel, dr, ds = tangents
+    precision, pet = options[-2:]
+    num_members = r.shape[0]
+    rows = x.shape[0] // num_members
+    ones = (1,) * (kernel.ndim - 2)
+    scaled_dtype = jnp.result_type(x, r)
 
-    forward: str
-    first_layer: str
-    hidden_layer: str
+    def outer(a, b):  # [in], [out] -> [1, ..., in, out] as a matmul
+        product = lax.dot_general(
+            a[:, None],
+            b[None, :],
+            (((1,), (0,)), ((), ())),
+            precision=precision,
+            preferred_element_type=pet,
+        )
+        return product.reshape(*ones, *product.shape)
+
+    outputs = []
+    for k in range(num_members):
+        r_k, s_k = r[k].reshape(*ones, -1, 1), s[k].reshape(*ones, 1, -1)
+        tangent = []
+        if dkernel is not None:
+            tangent.append((dkernel * r_k) * s_k)
+        if dr is not None:
+            tangent.append(kernel * outer(dr[k], s[k]))
+        if ds is not None:
+            tangent.append(kernel * outer(r[k], ds[k]))
+        # The operands in the forward convolution's dtypes: x * r's, W's.
+        x_k = x[k * rows : (k + 1) * rows].astype(scaled_dtype)
+        y_k = _conv(x_k, sum(tangent).astype(kernel.dtype), options)
+        if dx is not None:
+            member_kernel = ((kernel * r_k) * s_k).astype(kernel.dtype)
+            dx_k = dx[k * rows : (k + 1) * rows].astype(scaled_dtype)
+            y_k = y_k + _conv(dx_k, member_kernel, options)
+        outputs.append(y_k)
+    return jnp.concatenate(outputs)
 
 
-#: The measured rule per ``jax.default_backend()``. A table, not a cost
-#: model: XLA's CPU convolutions do not follow FLOPs (``"fold"``'s E
-#: convolutions of ``B`` rows run faster than one of ``E*B`` in a layer alone,
-#: and 2x slower inside a whole model). ``docs/cost.md`` says where, when and
-#: how each entry was measured; a backend without a row runs
-#: ``Formulation()``, what plain differentiation of the formula does.
-CONV_FORMULATIONS: dict[str, ConvRule] = {
-    "cpu": ConvRule("scale", "member_kernels", "member_kernels"),
-}
+def _scaled_conv_jvp(options, primals, tangents):
+    live = [type(t) is not SymbolicZero for t in tangents]
+    if any(live[1:]):
+        y = _scaled_conv_formula(*primals, options)
+        tangents = [t if on else None for t, on in zip(tangents, live, strict=True)]
+        dy = _member_tangent(*primals, tangents, options)
+        return y, dy.astype(y.dtype)
+    return jax.jvp(
+        lambda x: _scaled_conv_formula(x, *primals[1:], options),
+        primals[:1],
+        tangents[:1],
+    )
 
 
-def choose_conv(
-    needs: Needs, feature_group_count: int, *, backend: str | None = None
-) -> Formulation:
-    """The convolution's rule: its backend's measured formulation.
+_scaled_conv.defjvp(_scaled_conv_jvp, symbolic_zeros=True)
 
-    >>> first = Needs(kernel=True, r=True, s=True)
-    >>> choose_conv(first, 1, backend="cpu")
-    Formulation(forward='scale', backward='member_kernels')
-    >>> choose_conv(first, 2, backend="cpu")    # grouped
-    Formulation(forward='scale', backward='scaled_activations')
-    >>> choose_conv(first, 1, backend="gpu")    # not measured
-    Formulation(forward='scale', backward='scaled_activations')
+
+def effective_kernel(
+    kernel: jax.Array,
+    r: jax.Array,
+    s: jax.Array,
+    *,
+    feature_group_count: int = 1,
+    transpose_kernel: bool = False,
+) -> jax.Array:
+    """Returns one member's effective kernel ``kernel * (r (x) s)``.
+
+    For a grouped convolution (kernel ``[*kernel_size, in/G, out]``) output
+    channel ``o`` sees the input channels of its group only, so ``r`` is read
+    per group. For a transposed convolution with ``transpose_kernel=True`` the
+    kernel is ``[*kernel_size, out, in]``.
+
+    >>> import jax.numpy as jnp
+    >>> kernel = jnp.ones((1, 2, 4))            # kernel_size 1, in/G = 2, out = 4
+    >>> r = jnp.array([1.0, 2.0, 3.0, 4.0])     # in = 4
+    >>> s = jnp.ones(4)
+    >>> effective_kernel(kernel, r, s, feature_group_count=2)[0]
+    Array([[1., 1., 3., 3.],
+           [2., 2., 4., 4.]], dtype=float32)
 
     Args:
-      needs: which operands are differentiated.
-      feature_group_count: the convolution's G (grouped: no
-        ``"member_kernels"``).
-      backend: a key of :data:`CONV_FORMULATIONS`; default
-        ``jax.default_backend()``.
+      kernel: the shared kernel, in Flax's layout.
+      r: ``[in_features]`` input fast weights of the member.
+      s: ``[out_features]`` output fast weights of the member.
+      feature_group_count: the number of feature groups G (convolution only).
+      transpose_kernel: whether ``kernel`` is ``[*kernel_size, out, in]``.
 
     Returns:
-      The :class:`~ensembles.ops.Formulation`.
+      An array of ``kernel``'s shape and dtype.
     """
-    rule = CONV_FORMULATIONS.get(backend or jax.default_backend())
-    if rule is None:
-        return Formulation()
-    backward = rule.hidden_layer if needs.inputs else rule.first_layer
-    if feature_group_count != 1 or not needs.params:
-        backward = "scaled_activations"
-    return Formulation(rule.forward, backward)
-
-
-def _plan(x, kernel, r, s, config: ConvConfig, needs: Needs) -> Formulation:
-    formulation = config.formulation or choose_conv(needs, config.feature_group_count)
-    if config.feature_group_count != 1:
-        formulation = Formulation(formulation.forward, "scaled_activations")
-    return formulation.runnable(needs, x, kernel, r, s)
-
-
-_conv = define(
-    Rules(
-        name="batch_ensemble_conv",
-        plan=_plan,
-        keeps_product=math.keeps_product,
-        forward=math.forward,
-        tangent=math.tangent,
-        backward=math.backward,
-    )
-)
-
-
-# ------------------------------------------------------------------- the op
+    if transpose_kernel:
+        scale = jnp.outer(s, r)
+    else:
+        groups = feature_group_count
+        in_per_group = r.shape[0] // groups
+        out_per_group = s.shape[0] // groups
+        # [in/G, out]: column o holds r over the input channels of o's group.
+        r_columns = jnp.repeat(r.reshape(groups, in_per_group).T, out_per_group, 1)
+        scale = r_columns * s[None, :]
+    scale = scale.astype(kernel.dtype).reshape((1,) * (kernel.ndim - 2) + scale.shape)
+    return kernel * scale
 
 
 def _pad(x, padding, kernel_size, kernel_dilation):
@@ -182,25 +217,27 @@ def _pad(x, padding, kernel_size, kernel_dilation):
 
 
 def conv_rows(
-    inputs, kernel, r, s, bias, config: ConvConfig, padding, *, num_members: int
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    num_members: int,
+    strides: tuple[int, ...],
+    padding: Any,
+    input_dilation: tuple[int, ...],
+    kernel_dilation: tuple[int, ...],
+    feature_group_count: int,
+    precision: Any,
+    preferred_element_type: Any,
 ) -> jax.Array:
     """The convolution, its options already checked; the arrays' shapes checked.
 
     What :func:`batch_ensemble_conv` runs after checking its options, and what
-    the layers call with the options they checked at construction.
-
-    Args:
-      inputs: ``[E*B, ..., *spatial, in]`` member-major, channels-last.
-      kernel: ``[*kernel_size, in/G, out]``.
-      r: ``[E, in]``.
-      s: ``[E, out]``.
-      bias: ``[E, out]`` or ``None``.
-      config: the static options, ``padding`` aside.
-      padding: the canonical padding (:func:`~.conv_options.check_padding`).
-      num_members: the ensemble size E (1 in a member view).
-
-    Returns:
-      ``[E*B, ..., *out_spatial, out]``.
+    the layers call with the options they checked at construction (``padding``
+    in canonical form, :func:`~ensembles.ops.conv_options.check_padding`;
+    ``num_members`` is 1 in a member view).
 
     Raises:
       ValueError: if a shape does not fit the others (the message says which).
@@ -212,16 +249,27 @@ def conv_rows(
         s,
         bias,
         num_members,
-        feature_group_count=config.feature_group_count,
+        feature_group_count=feature_group_count,
     )
     batch_shape = inputs.shape[: -rank - 1]
     x, padding = _pad(
-        flatten_batch(inputs, rank),
-        padding,
-        kernel.shape[:rank],
-        config.kernel_dilation,
+        flatten_batch(inputs, rank), padding, kernel.shape[:rank], kernel_dilation
     )
-    y = _conv(x, kernel, r, s, dataclasses.replace(config, padding=padding))
+    if isinstance(precision, list):  # a custom_jvp's static argument must hash
+        precision = tuple(precision)
+    options = (
+        strides,
+        padding,
+        input_dilation,
+        kernel_dilation,
+        feature_group_count,
+        precision,
+        preferred_element_type,
+    )
+    if feature_group_count == 1:
+        y = _scaled_conv(x, kernel, r, s, options)
+    else:  # a grouped kernel's in axis holds in/G channels: JAX differentiates
+        y = _scaled_conv_formula(x, kernel, r, s, options)
     if bias is not None:
         y = y + per_row(bias, y.shape[0], y.ndim)
     return y.reshape(*batch_shape, *y.shape[1:])
@@ -243,7 +291,6 @@ def batch_ensemble_conv(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     impl: str = "xla",
-    formulation: Formulation | None = None,
 ) -> jax.Array:
     """Applies a BatchEnsemble convolution to a member-major, channels-last batch.
 
@@ -287,8 +334,6 @@ def batch_ensemble_conv(
       precision: convolution precision, as for ``jax.lax.conv_general_dilated``.
       preferred_element_type: accumulation/output dtype of the convolution.
       impl: ``"xla"``, the one implementation.
-      formulation: a :class:`~ensembles.ops.Formulation` to run instead of the
-        one :func:`choose_conv` picks (tests, benchmarks).
 
     Returns:
       The ``[E*B, ..., *out_spatial, out_features]`` outputs.
@@ -296,16 +341,10 @@ def batch_ensemble_conv(
     Raises:
       ValueError: if a shape, ``num_members``, an option or ``impl`` is
         invalid; the message names the argument and the fix.
-      TypeError: if ``num_members``, an option or ``formulation`` has the wrong
-        type.
+      TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)
     check_choice(impl, "impl", IMPLS)
-    if formulation is not None and not isinstance(formulation, Formulation):
-        raise TypeError(
-            f"`formulation` must be an `ensembles.ops.Formulation` or None, got "
-            f"{formulation!r} of type {type(formulation).__name__}."
-        )
     groups = check_positive_int(feature_group_count, "feature_group_count")
     inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if kernel.ndim < 3:
@@ -315,17 +354,18 @@ def batch_ensemble_conv(
         )
     rank = kernel.ndim - 2
     input_dilation = spatial_tuple(input_dilation, "input_dilation", rank)
-    padding = check_padding(padding, rank, input_dilation=input_dilation)
-    config = ConvConfig(
+    return conv_rows(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        num_members=num_members,
         strides=spatial_tuple(strides, "strides", rank),
-        padding=None,
+        padding=check_padding(padding, rank, input_dilation=input_dilation),
         input_dilation=input_dilation,
         kernel_dilation=spatial_tuple(kernel_dilation, "kernel_dilation", rank),
         feature_group_count=groups,
-        precision=static_precision(precision),
+        precision=precision,
         preferred_element_type=preferred_element_type,
-        formulation=formulation,
-    )
-    return conv_rows(
-        inputs, kernel, r, s, bias, config, padding, num_members=num_members
     )

@@ -1,4 +1,4 @@
-"""The BatchEnsemble dense op: validation, the formulation rule, the one path.
+"""The BatchEnsemble dense op: its checks, the ``jnp`` formula, one custom derivative.
 
 Member ``k`` of the op maps its rows ``[k*B, (k+1)*B)`` of the member-major batch
 as if its kernel were ``kernel * outer(r[k], s[k])``. That is computed without
@@ -6,64 +6,69 @@ ever forming per-member kernels::
 
     y = ((x * r[k]) @ kernel) * s[k] + bias[k]
 
-``impl="xla"`` (the default) is that formula in ``jnp``. On one device it
-views the rows as ``[E, B, in]`` (free: a reshape of the row axis) around one
-2-D matmul, in the formulation :func:`choose_dense` finds cheapest for the
-operands that are differentiated (:mod:`ensembles.ops.dense_formulations` holds
-the math). Where a batch can be sharded (more than one device) it never
-reshapes the row axis: each row gathers its member's fast weights and bias, so
-XLA's SPMD partitioner keeps rows, middle axes and kernel features sharded as
-the user placed them, for any E (:func:`rows_may_be_sharded`,
-``docs/scaling_out.md``). ``impl="pallas"`` runs the fused GPU/TPU kernel of
-:mod:`ensembles.experimental.pallas`, imported only when named.
+On one device the rows are viewed as ``[E, B, in]`` (a free reshape), scaled
+by ``r``, multiplied by the kernel in one 2-D matmul over the flat rows,
+scaled by ``s``; JAX differentiates that formula, which compiles to what a
+plain dense layer's program does plus the elementwise scalings, in every
+mode, with one exception. A layer whose inputs carry no derivative (a first
+layer) would form ``dr`` through the input-gradient matmul ``(g * s) @ W^T``
+that a plain dense layer's first-layer backward never does. There the
+derivative is written member by member (:func:`_member_tangent`), so that
+reverse mode forms each member's kernel gradient ``M_k = x_k^T g_k`` in turn
+and reads ``dW``, ``dr_k`` and ``ds_k`` off it: the matmuls of a plain dense
+layer, and never an ``[E, in, out]`` array (``docs/cost.md`` has the
+measurements). It is a ``jax.custom_jvp``, so forward mode, ``hessian``,
+``linear_transpose`` and ``vmap`` keep working.
+
+With more than one device a batch may be sharded: then the row axis is never
+reshaped (:func:`dense_by_row`, ``docs/scaling_out.md``). ``impl="pallas"``
+runs the fused kernel of :mod:`ensembles.experimental.pallas`, imported only
+when named.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.sharding import PartitionSpec as P
 
 from ensembles._checks import (
     add_batch_axis_fix,
     as_operands,
     check_choice,
-    check_member_shapes,
+    check_member_batch,
+    check_member_params,
     check_num_members,
-)
-from ensembles.ops import dense_formulations as math
-from ensembles.ops.autodiff import (
-    BACKWARDS,
-    FORWARDS,
-    Formulation,
-    Needs,
-    Rules,
-    define,
-    static_precision,
 )
 
 __all__ = [
-    "DENSE_COSTS",
     "IMPLS",
-    "MAX_MEMBER_KERNELS_MEMORY",
-    "CostModel",
     "batch_ensemble_dense",
-    "choose_dense",
-    "estimate",
-    "member_kernels_fit",
+    "check_shapes",
+    "dense_by_row",
+    "dense_rows",
     "rows_may_be_sharded",
 ]
 
 #: What ``impl`` may name for the dense-like ops (dense, general, einsum):
-#: ``"xla"``, the ``jnp`` formulation (the default, on every backend), and
+#: ``"xla"``, the ``jnp`` formula (the default, on every backend), and
 #: ``"pallas"``, the fused kernel of :mod:`ensembles.experimental.pallas`.
 IMPLS: tuple[str, ...] = ("xla", "pallas")
 
+_FLAT = (((1,), (0,)), ((), ()))  # [rows, in] @ [in, out]
 
-def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
+
+def check_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
+    """Checks the dense op's array shapes (the message names the argument).
+
+    Raises:
+      ValueError: if a shape does not fit the others.
+    """
     if inputs.ndim < 2:
         raise ValueError(
             f"`inputs` must have shape [E*B, ..., in_features] (at least 2 "
@@ -86,18 +91,113 @@ def _check_dense_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
             f"(`kernel.shape[0]`={in_features}); got inputs of shape "
             f"{inputs.shape}."
         )
-    check_member_shapes(
-        inputs.shape[0], r, s, bias, num_members, in_features, out_features
+    check_member_batch(inputs.shape[0], num_members)
+    check_member_params(
+        r,
+        s,
+        bias,
+        r_shape=(num_members, in_features),
+        s_shape=(num_members, out_features),
+        bias_shape=(num_members, out_features),
     )
 
 
+# ------------------------------------------------------------ one device
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _scaled_matmul(x3, kernel, r, s, precision, preferred_element_type):
+    """``((x * r) @ kernel) * s`` on the ``[E, B, in]`` view, one 2-D matmul."""
+    num_members, _, in_features = x3.shape
+    # Scale in the [E, B, in] view, multiply in the flat [E*B, in] view: XLA
+    # fuses each scaling into one loop around a single 2-D dot, measurably
+    # cheaper (forward and backward) than a 3-D einsum (docs/cost.md).
+    z = lax.dot_general(
+        (x3 * r[:, None, :]).reshape(-1, in_features),
+        kernel,
+        _FLAT,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    return z.reshape(num_members, -1, kernel.shape[1]) * s[:, None, :]
+
+
+def _outer(a, b, precision, pet):
+    """``outer(a, b)`` as a matmul: its transpose is a matrix-vector product."""
+    return lax.dot_general(
+        a[:, None], b[None, :], _FLAT, precision=precision, preferred_element_type=pet
+    )
+
+
+def _member_tangent(x3, kernel, r, s, dkernel, dr, ds, precision, pet):
+    """The tangent of a layer whose inputs carry none, one member at a time.
+
+    ``dy_k = x_k @ T_k`` with ``T_k`` the tangent of member ``k``'s kernel
+    ``W * outer(r_k, s_k)``, in a ``lax.scan`` over the members. Its transpose
+    (reverse mode) is a scan that forms ``M_k = x_k^T g_k`` for one member,
+    adds ``M_k * outer(r_k, s_k)`` to ``dW`` and reads ``dr_k`` and ``ds_k``
+    off ``M_k * W`` by two matrix-vector products, then moves on: the matmuls
+    of a plain dense layer, and never more than one ``[in, out]`` gradient at
+    a time (unrolled, XLA keeps all E alive). Every known factor it saves for
+    the backward is a vector or ``W`` itself (``lax.mul`` broadcasts size-1
+    axes: ``dkernel * r_k[:, None]`` saves ``[in, 1]``), never an ``[in, out]``
+    product of primals, which the scan would stack into ``[E, in, out]``.
+    """
+
+    def member(_, operands):
+        x_k, r_k, s_k, dr_k, ds_k = operands
+        tangent = []
+        if dkernel is not None:
+            tangent.append((dkernel * r_k[:, None]) * s_k[None, :])
+        if dr_k is not None:
+            tangent.append(kernel * _outer(dr_k, s_k, precision, pet))
+        if ds_k is not None:
+            tangent.append(kernel * _outer(r_k, ds_k, precision, pet))
+        return None, lax.dot_general(
+            x_k, sum(tangent), _FLAT, precision=precision, preferred_element_type=pet
+        )
+
+    return lax.scan(member, None, (x3, r, s, dr, ds))[1]
+
+
+def _scaled_matmul_jvp(precision, pet, primals, tangents):
+    live = [type(t) is not SymbolicZero for t in tangents]
+    if not live[0] and any(live[1:]):
+        y = _scaled_matmul.fun(*primals, precision, pet)
+        dkernel, dr, ds = (
+            t if on else None for t, on in zip(tangents[1:], live[1:], strict=True)
+        )
+        dy = _member_tangent(*primals, dkernel, dr, ds, precision, pet)
+        return y, dy.astype(y.dtype)
+
+    def formula(*differentiated):
+        operands = iter(differentiated)
+        args = [
+            next(operands) if on else a for a, on in zip(primals, live, strict=True)
+        ]
+        return _scaled_matmul.fun(*args, precision, pet)
+
+    return jax.jvp(
+        formula,
+        [a for a, on in zip(primals, live, strict=True) if on],
+        [t for t, on in zip(tangents, live, strict=True) if on],
+    )
+
+
+_scaled_matmul.defjvp(_scaled_matmul_jvp, symbolic_zeros=True)
+
+
+# ------------------------------------------------------------ sharded rows
+
+
 def rows_may_be_sharded() -> bool:
-    """Whether the dense ops take their sharding-friendly path.
+    """Whether the dense ops take their sharding-friendly path (:func:`dense_by_row`).
 
     That is whenever this process sees more than one device (on many hosts:
     more than one in all), since only then can a batch be sharded. On one
     device the ops keep the member reshapes, which are a few percent faster
-    to differentiate on CPU (the gather's transpose is a scatter-add).
+    to differentiate on CPU (the gather's transpose is a scatter-add) and
+    which the first layer's per-member derivative needs.
 
     >>> rows_may_be_sharded()                        # one CPU device
     False
@@ -105,266 +205,144 @@ def rows_may_be_sharded() -> bool:
     return jax.device_count() > 1
 
 
-# ---------------------------------------------------------------- the rule
+def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:
+    """``array``'s sharding if it is placed on an explicit mesh, else ``None``."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.explicit_axes:
+        return None
+    return sharding
 
 
-@dataclasses.dataclass(frozen=True)
-class CostModel:
-    """Seconds per unit of work of each kind, for one backend.
+def _row_members(inputs, num_members: int) -> jax.Array:
+    """The member index of every row of ``inputs``, sharded as its rows are."""
+    num_rows = inputs.shape[0]
+    member = lax.broadcasted_iota(jnp.int32, (num_rows,), 0) // (
+        num_rows // num_members
+    )
+    sharding = _explicit_sharding(inputs)
+    if sharding is not None and sharding.spec and sharding.spec[0] is not None:
+        member = jax.sharding.reshard(
+            member, jax.sharding.NamedSharding(sharding.mesh, P(sharding.spec[0]))
+        )
+    return member
 
-    A formulation's cost is the sum over its work of ``count * constant``; only
-    differences between formulations matter, so the work every formulation
-    shares (the plain matmul of the forward, ``dx``'s matmul) still counts but
-    per-call overheads common to all do not.
 
-    Attributes:
-      dot: per multiply-add of a 2-D matmul over ``E*B`` rows.
-      batched_dot: per multiply-add of the E-batched matmul of
-        ``"member_kernels"``
-        (``M_k = x_k^T g_k``).
-      fold_dot: per multiply-add of the ``"fold"`` forward's batched matmul
-        against the member kernels, including forming them.
-      fold_element: per element of ``E x in x out`` when ``"fold"`` forms the
-        member kernels (GPU: fused into the matmul, so ~0).
-      activation: per element of one elementwise pass over ``[E*B, in]`` or
-        ``[E*B, out]`` (a scaling, or a product-and-row-sum).
-      kernel_element: per element of one pass over the ``E x in x out`` kernel
-        gradients ``M_k`` (a reduction to ``dW``, ``dr`` or ``ds``).
+def _per_row(array, member, like) -> jax.Array:
+    """``[E, features]`` -> ``[E*B, 1, ..., features]``: each row's member's slice.
+
+    The result is placed as ``like``, the activation it scales, is placed
+    (rows and features). Under an automatic mesh the partitioner infers that;
+    under an explicit mesh it is spelled out, since a replicated result would
+    make every device gather, and differentiate, the whole batch's fast weights.
     """
-
-    dot: float
-    batched_dot: float
-    fold_dot: float
-    fold_element: float
-    activation: float
-    kernel_element: float
-
-
-#: The measured constants of :func:`choose_dense`, per ``jax.default_backend()``
-#: (read when tracing). ``docs/cost.md`` says where, when and how each was
-#: measured. A backend without a row runs ``Formulation()``, the formulation
-#: plain differentiation of the formula would: no unmeasured choice reaches a
-#: user's step.
-DENSE_COSTS: dict[str, CostModel] = {
-    "cpu": CostModel(
-        dot=3.2e-11,
-        batched_dot=3.5e-11,
-        fold_dot=4.0e-11,
-        fold_element=1.5e-9,
-        activation=1.0e-9,
-        kernel_element=0.5e-9,
-    ),
-}
-
-#: The most memory the ``"member_kernels"`` backward may take: its ``M_k``
-#: (``E x in x out`` values) at most this many times the layer's activations
-#: (``E*B x (in + out)``). Every shape measured in ``docs/cost.md`` is within
-#: 4; beyond, a step that fits in memory with plain differentiation could stop
-#: fitting (``E = 16``, ``B = 64``, ``in = out = 8192``: 4 GiB of ``M_k`` in
-#: float32 against 64 MiB of activations), whatever the time model says.
-MAX_MEMBER_KERNELS_MEMORY: float = 4.0
-
-
-def estimate(
-    formulation: Formulation,
-    num_members: int,
-    rows: int,
-    in_features: int,
-    out_features: int,
-    needs: Needs,
-    model: CostModel,
-) -> float:
-    """The modelled time of ``formulation`` (forward, and backward for ``needs``).
-
-    >>> cpu = DENSE_COSTS["cpu"]
-    >>> first_layer = Needs(kernel=True, r=True, s=True)
-    >>> kernels = estimate(Formulation("scale", "member_kernels"), 4, 256, 1024,
-    ...                    1024, first_layer, cpu)
-    >>> activations = estimate(Formulation("scale", "scaled_activations"), 4,
-    ...                        256, 1024, 1024, first_layer, cpu)
-    >>> kernels < activations      # one matmul fewer in the backward
-    True
-
-    Args:
-      formulation: the formulation to cost.
-      num_members: E.
-      rows: rows per member B (middle axes included).
-      in_features: in.
-      out_features: out.
-      needs: which operands are differentiated.
-      model: the backend's constants.
-
-    Returns:
-      Seconds, in the model.
-    """
-    members_rows = num_members * rows
-    macs = members_rows * in_features * out_features
-    activations_in = members_rows * in_features
-    activations_out = members_rows * out_features
-    member_kernels = num_members * in_features * out_features
-    if formulation.forward == "scale":
-        cost = model.dot * macs + model.activation * (activations_in + activations_out)
+    sharding = _explicit_sharding(like)
+    if sharding is None:
+        rows = jnp.take(array, member, axis=0, mode="clip", indices_are_sorted=True)
     else:
-        cost = model.fold_dot * macs + model.fold_element * member_kernels
-    activation_dr = needs.r and formulation.backward == "scaled_activations"
-    if needs.inputs or activation_dr:
-        # u = (g * s) @ W^T, then dx = u * r and/or dr = rowsum(u * x).
-        passes = 1 + needs.inputs + activation_dr
-        cost += model.dot * macs + model.activation * (
-            activations_out + (passes - 1) * activations_in
+        spec = (*sharding.spec, *(None,) * like.ndim)[: like.ndim]
+        rows = array.at[member].get(
+            mode="clip",
+            indices_are_sorted=True,
+            out_sharding=jax.sharding.NamedSharding(
+                sharding.mesh, P(spec[0], spec[-1])
+            ),
         )
-    if formulation.backward == "scaled_activations":
-        if needs.kernel:
-            cost += model.dot * macs + model.activation * (
-                activations_in + activations_out
-            )
-        if needs.s:
-            cost += model.activation * activations_out
-    elif needs.params:
-        # M_k (one extra pass to write it), then one reduction over it per
-        # gradient; ds reads z instead where the "scale" forward saved it.
-        s_from_kernels = needs.s and formulation.forward == "fold"
-        passes = 1 + needs.kernel + needs.r + s_from_kernels
-        cost += model.batched_dot * macs + model.kernel_element * (
-            passes * member_kernels
-        )
-        if needs.s and not s_from_kernels:
-            cost += model.activation * activations_out
-    return cost
+    return rows.reshape(member.shape[0], *(1,) * (like.ndim - 2), array.shape[1])
 
 
-def member_kernels_fit(
-    num_members: int, rows: int, in_features: int, out_features: int
-) -> bool:
-    """Whether ``"member_kernels"`` stays within :data:`MAX_MEMBER_KERNELS_MEMORY`.
+def dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
+    """The sharding-friendly path: the row axis is never reshaped.
 
-    >>> member_kernels_fit(4, 256, 1024, 1024)
-    True
-    >>> member_kernels_fit(16, 64, 8192, 8192)
-    False
+    Each row takes its member's ``r``, ``s`` and bias with a gather by a member
+    index computed from an iota, and the matmul contracts the feature axis of
+    the inputs as they are. The partitioner then keeps every activation sharded
+    however its rows (data parallelism, any E), middle axes (sequence
+    parallelism) or the kernel's output features (model parallelism) are split,
+    where the reshape to ``[E, rows, in]`` would all-gather rows that do not
+    split along member boundaries (and is rejected outright under an explicit
+    mesh). Differentiated by JAX as written: one all-reduce of ``dW``.
     """
-    member_kernels = num_members * in_features * out_features
-    activations = num_members * rows * (in_features + out_features)
-    return member_kernels <= MAX_MEMBER_KERNELS_MEMORY * activations
-
-
-def choose_dense(
-    num_members: int,
-    rows: int,
-    in_features: int,
-    out_features: int,
-    needs: Needs,
-    *,
-    backend: str | None = None,
-) -> Formulation:
-    """The dense op's rule: the formulation its backend's cost model finds cheapest.
-
-    ``"fold"`` with a ``"scaled_activations"`` backward is no candidate when
-    ``ds`` is differentiated (that ``ds`` reads the ``"scale"`` forward's
-    unscaled product); ``"member_kernels"`` only where
-    :func:`member_kernels_fit` (memory, not time). A backend with no row in
-    :data:`DENSE_COSTS` gets ``Formulation()``.
-
-    >>> choose_dense(4, 256, 1024, 1024, Needs(kernel=True, r=True, s=True),
-    ...              backend="cpu")
-    Formulation(forward='scale', backward='member_kernels')
-    >>> choose_dense(4, 256, 1024, 1024, Needs(True, True, True, True),
-    ...              backend="cpu")
-    Formulation(forward='scale', backward='scaled_activations')
-
-    Args:
-      num_members: E.
-      rows: rows per member B (middle axes included).
-      in_features: in.
-      out_features: out.
-      needs: which operands are differentiated.
-      backend: a key of :data:`DENSE_COSTS`; default ``jax.default_backend()``.
-
-    Returns:
-      The cheapest :class:`~ensembles.ops.Formulation`.
-    """
-    model = DENSE_COSTS.get(backend or jax.default_backend())
-    if model is None:
-        return Formulation()
-    candidates = [
-        Formulation(forward, backward)
-        for forward in FORWARDS
-        for backward in (BACKWARDS if needs.params else ("scaled_activations",))
-        if not (forward == "fold" and backward == "scaled_activations" and needs.s)
-        and not (
-            backward == "member_kernels"
-            and not member_kernels_fit(num_members, rows, in_features, out_features)
-        )
-    ]
-    return min(
-        candidates,
-        key=lambda f: estimate(
-            f, num_members, rows, in_features, out_features, needs, model
-        ),
+    member = _row_members(inputs, r.shape[0])
+    y = lax.dot_general(
+        inputs * _per_row(r, member, inputs),
+        kernel,
+        (((inputs.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=preferred_element_type,
     )
-
-
-def _plan(x3, kernel, r, s, config: math.DenseConfig, needs: Needs) -> Formulation:
-    num_members, rows, in_features = x3.shape
-    formulation = config.formulation or choose_dense(
-        num_members, rows, in_features, kernel.shape[1], needs
-    )
-    return formulation.runnable(needs, x3, kernel, r, s)
-
-
-_dense = define(
-    Rules(
-        name="batch_ensemble_dense",
-        plan=_plan,
-        keeps_product=math.keeps_product,
-        forward=math.forward,
-        tangent=math.tangent,
-        backward=math.backward,
-    )
-)
-
-
-def _dense_by_member(inputs, kernel, r, s, bias, config: math.DenseConfig):
-    """The one-device path: the rows split into members by a free reshape."""
-    num_members, in_features = r.shape
-    y = _dense(inputs.reshape(num_members, -1, in_features), kernel, r, s, config)
+    y = y * _per_row(s, member, y)
     if bias is not None:
-        y = y + bias[:, None, :]
-    return y.reshape(*inputs.shape[:-1], kernel.shape[1])
+        y = y + _per_row(bias, member, y)
+    return y
 
 
 # ----------------------------------------------------------------- the op
 
 
-def _check_pallas_options(impl: str, interpret: Any, block_sizes: Any) -> None:
-    """``interpret`` and ``block_sizes`` configure the kernel: ``impl="pallas"``."""
-    for name, value, unset in (
-        ("interpret", interpret, False),
-        ("block_sizes", block_sizes, None),
-    ):
-        if value is not unset and impl != "pallas":
-            raise ValueError(
-                f"`{name}` configures the Pallas kernel, but impl={impl!r} was "
-                f'asked for. Use impl="pallas", or drop `{name}`.'
-            )
-    if impl == "pallas" and not isinstance(interpret, bool):
-        from jax.experimental.pallas import tpu as pltpu
+def dense_rows(
+    inputs,
+    kernel,
+    r,
+    s,
+    bias,
+    *,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    impl: str = "xla",
+    interpret: Any = False,
+    block_sizes: Any = None,
+) -> jax.Array:
+    """The dense op on operands already checked (:func:`check_shapes`).
 
-        if not isinstance(interpret, pltpu.InterpretParams):
-            raise TypeError(
-                f"`interpret` must be a bool or a "
-                f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} "
-                f"of type {type(interpret).__name__}."
-            )
-    if block_sizes is not None:
-        from ensembles.experimental.pallas import BlockSizes
+    What :func:`batch_ensemble_dense` runs after its checks, and what the
+    layers call with the options they checked at construction. ``num_members``
+    is ``r.shape[0]``.
+    """
+    if impl == "pallas":
+        from ensembles.experimental import pallas  # opt-in: imported when named
 
-        if not isinstance(block_sizes, BlockSizes):
-            raise TypeError(
-                f"`block_sizes` must be an "
-                f"`ensembles.experimental.pallas.BlockSizes` or None, got "
-                f"{block_sizes!r} of type {type(block_sizes).__name__}."
-            )
+        return pallas.fused_dense(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )
+    if interpret is not False or block_sizes is not None:
+        name = "interpret" if interpret is not False else "block_sizes"
+        raise ValueError(
+            f"`{name}` configures the Pallas kernel, but impl={impl!r} was asked "
+            f'for. Use impl="pallas", or drop `{name}`.'
+        )
+    if rows_may_be_sharded():
+        return dense_by_row(
+            inputs,
+            kernel,
+            r,
+            s,
+            bias,
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+    num_members, in_features = r.shape
+    if isinstance(precision, list):  # a custom_jvp's static argument must hash
+        precision = tuple(precision)
+    y = _scaled_matmul(
+        inputs.reshape(num_members, -1, in_features),
+        kernel,
+        r,
+        s,
+        precision,
+        preferred_element_type,
+    )
+    if bias is not None:
+        y = y + bias[:, None, :]
+    return y.reshape(*inputs.shape[:-1], kernel.shape[1])
 
 
 def batch_ensemble_dense(
@@ -378,7 +356,6 @@ def batch_ensemble_dense(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jnp.dtype | None = None,
     impl: str = "xla",
-    formulation: Formulation | None = None,
     interpret: Any = False,
     block_sizes: Any = None,
 ) -> jax.Array:
@@ -411,21 +388,16 @@ def batch_ensemble_dense(
       s: ``[E, out_features]`` output fast weights.
       bias: ``[E, out_features]`` per-member bias, or ``None``.
       num_members: the ensemble size E.
-      precision: matmul precision, as for ``jax.lax.dot_general``.
-      preferred_element_type: accumulation/output dtype of the matmul, as for
+      precision: precision of every matmul, forward and backward, as for
         ``jax.lax.dot_general``.
-      impl: ``"xla"`` (the ``jnp`` formulation, the default) or ``"pallas"``:
-        the fused kernel of :mod:`ensembles.experimental.pallas` (Triton on
-        GPU, Mosaic on TPU; on CPU only with ``interpret=True``, slow: for
-        tests). Opt-in: it is imported only when named.
-      formulation: ``"xla"`` on one device only: a
-        :class:`~ensembles.ops.Formulation` to run instead of the one
-        :func:`choose_dense` picks (tests, benchmarks); it still falls back to
-        ``"scale"`` where ``"fold"`` cannot run.
-      interpret: ``"pallas"`` only: ``True`` runs the kernel in Pallas'
-        interpreter on any backend; a
-        ``jax.experimental.pallas.tpu.InterpretParams`` runs the TPU kernel in
-        Pallas' TPU simulator.
+      preferred_element_type: accumulation/output dtype of every matmul, as
+        for ``jax.lax.dot_general``.
+      impl: ``"xla"`` (the ``jnp`` formula, the default) or ``"pallas"``: the
+        fused kernel of :mod:`ensembles.experimental.pallas` (Triton on GPU,
+        Mosaic on TPU; on CPU only with ``interpret=True``, slow: for tests).
+        Opt-in: it is imported only when named.
+      interpret: ``"pallas"`` only: see
+        :func:`ensembles.experimental.pallas.fused_dense`.
       block_sizes: ``"pallas"`` only: the kernel's tiles,
         :class:`ensembles.experimental.pallas.BlockSizes`.
 
@@ -433,48 +405,26 @@ def batch_ensemble_dense(
       The ``[E*B, ..., out_features]`` outputs.
 
     Raises:
-      ValueError: if a shape, ``num_members`` or ``impl`` is invalid, if
-        ``interpret``/``block_sizes`` are given without ``impl="pallas"``, or
-        ``formulation`` with ``impl="pallas"`` or on more than one device;
+      ValueError: if a shape, ``num_members`` or ``impl`` is invalid, or if
+        ``interpret``/``block_sizes`` are given without ``impl="pallas"``;
         the message names the argument and the fix.
-      TypeError: if ``num_members`` is not an int, if ``formulation``,
-        ``interpret`` or ``block_sizes`` has the wrong type, or if
-        ``impl="pallas"`` gets dtypes the kernel does not support.
+      TypeError: if ``num_members`` is not an int, if ``interpret`` or
+        ``block_sizes`` has the wrong type, or if ``impl="pallas"`` gets
+        dtypes the kernel does not support.
     """
     num_members = check_num_members(num_members)
     impl = check_choice(impl, "impl", IMPLS)
-    _check_pallas_options(impl, interpret, block_sizes)
-    if formulation is not None and not isinstance(formulation, Formulation):
-        raise TypeError(
-            f"`formulation` must be an `ensembles.ops.Formulation` or None, got "
-            f"{formulation!r} of type {type(formulation).__name__}."
-        )
-    if formulation is not None and (impl == "pallas" or rows_may_be_sharded()):
-        raise ValueError(
-            f'`formulation` forces one of the one-device "xla" formulations, but '
-            f"this call runs "
-            f"{'the Pallas kernel' if impl == 'pallas' else 'the sharded-rows path'}"
-            f" ({jax.device_count()} devices): drop `formulation`."
-        )
     inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
-    _check_dense_shapes(inputs, kernel, r, s, bias, num_members)
-    options = {"precision": precision, "preferred_element_type": preferred_element_type}
-    if impl == "pallas":
-        from ensembles.experimental import pallas  # opt-in: imported when named
-
-        return pallas.fused_dense(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            interpret=interpret,
-            block_sizes=block_sizes,
-            **options,
-        )
-    if rows_may_be_sharded():
-        return math.dense_by_row(inputs, kernel, r, s, bias, **options)
-    config = math.DenseConfig(
-        static_precision(precision), preferred_element_type, formulation
+    check_shapes(inputs, kernel, r, s, bias, num_members)
+    return dense_rows(
+        inputs,
+        kernel,
+        r,
+        s,
+        bias,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        impl=impl,
+        interpret=interpret,
+        block_sizes=block_sizes,
     )
-    return _dense_by_member(inputs, kernel, r, s, bias, config)

@@ -151,13 +151,12 @@ def _via_dense(inputs, kernel, r, s, bias, *, axes, num_members, impl, **kwargs)
     moved = jnp.moveaxis(inputs, axes, tuple(range(-num_in, 0)))
     kept = moved.shape[: moved.ndim - num_in]
     in_size, out_size = math.prod(r.shape[1:]), math.prod(out_features)
-    y = dense.batch_ensemble_dense(
+    y = dense.dense_rows(
         moved.reshape(*kept, in_size),
         kernel.reshape(in_size, out_size),
         r.reshape(num_members, in_size),
         s.reshape(num_members, out_size),
         None if bias is None else bias.reshape(num_members, out_size),
-        num_members=num_members,
         impl=impl,
         **kwargs,
     )

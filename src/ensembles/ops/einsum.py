@@ -17,7 +17,7 @@ both in kernel order; the bias is ``[E, *bias_shape]``, each member's added as
 
 Without batch letters the op moves the axes into ``[rows, contracted] x
 [contracted, kept]`` and calls :func:`ensembles.ops.batch_ensemble_dense` (so
-it runs whatever kernel ``impl`` selects, with its custom VJP). With batch
+it runs whatever kernel ``impl`` selects, with its derivative). With batch
 letters there is no single shared matmul, and the op runs its ``jnp``
 formulation: the input scaled by ``r``, one ``jnp.einsum`` with a member
 letter, then ``s`` and the bias.
@@ -307,7 +307,7 @@ def _via_dense(subscripts, inputs, kernel, r, s, bias, *, num_members, **kwargs)
     )
     in_size = math.prod(dims[c] for c in subscripts.contracted)
     out_size = math.prod(dims[c] for c in subscripts.kept)
-    y = dense.batch_ensemble_dense(
+    y = dense.dense_rows(
         moved.reshape(-1, in_size),
         matrix.reshape(in_size, out_size),
         r.reshape(num_members, in_size),
@@ -315,7 +315,6 @@ def _via_dense(subscripts, inputs, kernel, r, s, bias, *, num_members, **kwargs)
         None
         if bias is None
         else _bias_kept(subscripts, bias, dims).reshape(num_members, out_size),
-        num_members=num_members,
         **kwargs,
     )
     y = y.reshape(*moved.shape[: len(rows)], *(dims[c] for c in subscripts.kept))

@@ -21,8 +21,9 @@ Modules, one concern each:
   matmul the families share.
 * :mod:`.triton`: the GPU family (Triton), interpreted on CPU.
 * :mod:`.mosaic_tpu`: the TPU family (Mosaic).
-* :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), reached only
-  through ``fused_dense(..., _family="hopper")`` until it is measured on a GPU.
+* :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), run by
+  ``fused_dense(..., family="hopper")``; no platform picks it until it is
+  measured on a GPU.
 * :mod:`.fused`: dtype checks, the per-platform family choice, padding and
   slicing, and the ``jax.custom_vjp``.
 
@@ -35,6 +36,7 @@ is a new module with ``forward`` and ``backward``, registered in
 
 from ensembles.experimental.pallas.blocks import BlockSizes
 from ensembles.experimental.pallas.fused import (
+    FAMILIES,
     SUPPORTED_DTYPES,
     check_dtypes,
     dense_reference,
@@ -42,6 +44,7 @@ from ensembles.experimental.pallas.fused import (
 )
 
 __all__ = [
+    "FAMILIES",
     "SUPPORTED_DTYPES",
     "BlockSizes",
     "check_dtypes",

@@ -10,7 +10,7 @@
   :func:`dense_reference`.
 
 :mod:`.mosaic_gpu` (Hopper, bfloat16, forward only) runs only where asked for
-(``_family="hopper"``): compiled with ``interpret=False``, in jax's Mosaic GPU
+(``family="hopper"``): compiled with ``interpret=False``, in jax's Mosaic GPU
 interpreter otherwise; its gradient is :func:`dense_reference`'s. It has not
 run on a GPU yet, so no platform picks it.
 
@@ -36,7 +36,13 @@ from ensembles.experimental.pallas import mosaic_gpu, mosaic_tpu, triton
 from ensembles.experimental.pallas.blocks import BlockSizes, pad_to, tiling
 from ensembles.experimental.pallas.common import KernelConfig
 
-__all__ = ["SUPPORTED_DTYPES", "check_dtypes", "dense_reference", "fused_dense"]
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_DTYPES",
+    "check_dtypes",
+    "dense_reference",
+    "fused_dense",
+]
 
 #: The dtypes the fused kernel computes in (inputs and parameters alike).
 SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
@@ -45,6 +51,11 @@ SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
 )
 
 _FAMILIES = {"gpu": triton, "tpu": mosaic_tpu}
+
+#: The kernel families :func:`fused_dense` can be asked for by name
+#: (``family=``): ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU), ``"hopper"``
+#: (Mosaic GPU, forward only). ``None`` picks the platform's.
+FAMILIES: tuple[str, ...] = ("gpu", "tpu", "hopper")
 
 
 def check_dtypes(inputs, kernel, r, s, bias=None, preferred_element_type=None):
@@ -295,14 +306,14 @@ def fused_dense(
     preferred_element_type: jnp.dtype | None = None,
     interpret: Any = False,
     block_sizes: BlockSizes | None = None,
-    _family: str | None = None,
+    family: str | None = None,
 ) -> jax.Array:
     """The Pallas implementation of ``batch_ensemble_dense(..., impl="pallas")``.
 
-    Call :func:`ensembles.ops.batch_ensemble_dense` rather than this: it
-    validates the shapes, ``interpret`` and ``block_sizes`` (``num_members`` is
-    read from ``r`` here). This function checks the dtypes and runs the fused
-    kernel with its custom VJP.
+    Call :func:`ensembles.ops.batch_ensemble_dense` with ``impl="pallas"``
+    rather than this: it validates the shapes (``num_members`` is read from
+    ``r`` here). This function checks its own options and the dtypes and runs
+    the fused kernel with its custom VJP.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones((2 * 3, 4))                    # E=2 members, B=3 rows each
@@ -326,33 +337,50 @@ def fused_dense(
         interpreter on any platform. A ``pltpu.InterpretParams(...)`` runs the
         TPU kernel in Pallas' TPU simulator.
       block_sizes: tile sizes, :class:`BlockSizes` (default: ``BlockSizes()``).
-      _family: tests and benchmarks only: ``"gpu"`` or ``"tpu"`` interprets
-        that kernel family; ``"hopper"`` runs the Mosaic GPU forward kernel of
+      family: one of :data:`FAMILIES` to run that kernel family instead of the
+        platform's: ``"gpu"`` or ``"tpu"`` interprets it (tests run both on
+        CPU this way); ``"hopper"`` runs the Mosaic GPU forward kernel of
         :mod:`.mosaic_gpu` (bfloat16; compiled with ``interpret=False``, for a
-        Hopper GPU; in jax's Mosaic GPU interpreter otherwise, jax >= 0.12).
-        Not yet run on a GPU.
+        Hopper GPU; in jax's Mosaic GPU interpreter otherwise, jax >= 0.12;
+        its gradient is :func:`dense_reference`'s). Not yet run on a GPU.
 
     Returns:
       The ``[E*B, ..., out_features]`` outputs.
 
     Raises:
-      TypeError: for unsupported dtypes.
+      ValueError: if ``family`` is not one of :data:`FAMILIES`.
+      TypeError: for unsupported dtypes, or an ``interpret`` or
+        ``block_sizes`` of the wrong type.
     """
     if block_sizes is None:
         block_sizes = BlockSizes()
-    if _family not in (None, "gpu", "tpu", "hopper"):
+    elif not isinstance(block_sizes, BlockSizes):
+        raise TypeError(
+            f"`block_sizes` must be an `ensembles.experimental.pallas.BlockSizes` "
+            f"or None, got {block_sizes!r} of type {type(block_sizes).__name__}."
+        )
+    if not isinstance(interpret, bool):
+        from jax.experimental.pallas import tpu as pltpu
+
+        if not isinstance(interpret, pltpu.InterpretParams):
+            raise TypeError(
+                f"`interpret` must be a bool or a "
+                f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} "
+                f"of type {type(interpret).__name__}."
+            )
+    if family is not None and family not in FAMILIES:
         raise ValueError(
-            f"`_family` must be None, 'gpu', 'tpu' or 'hopper', got {_family!r}."
+            f"`family` must be None or one of {list(FAMILIES)}, got {family!r}."
         )
     dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
-    if _family == "hopper":
+    if family == "hopper":
         mosaic_gpu.check_dtype(dtype)
     config = FusedConfig(
         blocks=block_sizes,
         precision=precision,
         out_dtype=jnp.dtype(preferred_element_type or dtype),
         interpret=interpret,
-        family=_family,
+        family=family,
         has_bias=bias is not None,
     )
     num_members, in_features = r.shape

@@ -3,10 +3,9 @@
 Status: **not yet run on a GPU.** It runs in jax's Mosaic GPU interpreter on
 CPU (jax >= 0.12, uninitialised memory poisoned with NaN, out-of-bounds reads
 raising, data races detected) and lowers for CUDA on a CPU machine (jax 0.10
-and 0.12); neither proves it right or fast on an H100. ``impl="auto"`` never
-runs it; tests and the GPU benchmarks reach it through
-``fused_dense(..., _family="hopper")`` until it is measured
-(``docs/fused_kernel.md``).
+and 0.12); neither proves it right or fast on an H100. No platform picks it:
+it runs where named, ``fused_dense(..., family="hopper")``, until it is
+measured (``docs/fused_kernel.md``).
 
 One persistent kernel per call, one program per streaming multiprocessor. Each
 program walks output tiles ``(member, row tile, column tile)``; a tile holds

@@ -35,6 +35,7 @@ from tests.ops.conv_cases import (
     convs,
     one_d,
 )
+from tests.ops.test_autodiff import _matmuls_and_convs
 from tests.reference import cotangent_loss, dense_reference, make_args, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
 
@@ -60,6 +61,20 @@ DTYPES = {
     "bf16": (jnp.bfloat16, jnp.bfloat16),
     "mixed": (jnp.bfloat16, jnp.float32),
 }
+
+
+@pytest.fixture(autouse=True)
+def _member_backward_at_any_size(monkeypatch):
+    """The per-member first-layer backward at these tests' small sizes.
+
+    (By default it runs from ``MEMBER_BACKWARD_MIN_ROWS`` rows per member;
+    tests that need JAX's own derivative of a first layer raise the bound.)
+    """
+    monkeypatch.setattr(dense, "MEMBER_BACKWARD_MIN_ROWS", 1)
+
+
+def jax_own_first_layer(monkeypatch):
+    monkeypatch.setattr(dense, "MEMBER_BACKWARD_MIN_ROWS", 10**9)
 
 
 def dense_op(*args, **options):
@@ -188,10 +203,15 @@ SUBSETS = [
 ]
 
 
+@pytest.mark.parametrize("first_layer", ["per_member", "jax"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f64"])
-def test_dense_gradients_equal_jax_of_the_plain_formula(dtype, request):
+def test_dense_gradients_equal_jax_of_the_plain_formula(
+    dtype, first_layer, request, monkeypatch
+):
     if dtype == "f64":
         request.getfixturevalue("x64")
+    if first_layer == "jax":
+        jax_own_first_layer(monkeypatch)
     jnp_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f64": jnp.float64}[dtype]
     args = make_args(1, 3, 4, (2,), 6, 5, jnp_dtype)
     cotangent = random_cotangent((12, 2, 5)).astype(jnp_dtype)
@@ -299,6 +319,45 @@ def test_dense_backward_does_a_plain_layers_matmuls(argnums, plain_argnums):
 
 def plain_dense_loss(*a):
     return jnp.sum(plain_dense(*a) ** 2)
+
+
+def test_member_backward_min_rows_decides(monkeypatch):
+    """Below the bound a first layer gets JAX's own derivative (its extra
+    input-gradient matmul); from it on, the per-member one."""
+    args = _layer_args()
+
+    def first_layer_flops(bound):
+        monkeypatch.setattr(dense, "MEMBER_BACKWARD_MIN_ROWS", bound)
+        # A new function each time: JAX caches traces by function.
+        grad = jax.grad(lambda *a: jnp.sum(dense_op(*a) ** 2), (1, 2, 3, 4))
+        return _matmul_flops(grad, *args)
+
+    assert first_layer_flops(B) == 2 * E * B * IN * OUT
+    assert first_layer_flops(B + 1) == 3 * E * B * IN * OUT
+
+
+def test_dense_member_backward_at_the_requested_precision():
+    """Every matmul of the per-member backward at ``precision`` and with its
+    ``preferred_element_type`` (the outer products and matrix-vector products
+    of the reductions included)."""
+    x, kernel, r, s, bias = (a.astype(jnp.bfloat16) for a in _layer_args())
+
+    def loss(*a):
+        y = dense_op(
+            *a, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+        )
+        return jnp.sum(y**2)
+
+    grads = jax.grad(loss, (1, 2, 3, 4))
+    found = _matmuls_and_convs(grads, x, kernel, r, s, bias)
+    assert len(found) >= 4, found  # forward, M_k, and the dr, ds products
+    for kind, precision, operand_types, result in found:
+        assert precision == ("HIGHEST", "HIGHEST"), (kind, operand_types)
+        if any("bf16" in t for t in operand_types):
+            assert result.endswith("xf32>"), (kind, operand_types, result)
+    shapes = jax.eval_shape(grads, x, kernel, r, s, bias)
+    for g, a in zip(shapes, (kernel, r, s, bias), strict=True):
+        assert g.dtype == a.dtype
 
 
 def test_dense_first_layer_compiles_without_member_kernels():

@@ -12,13 +12,14 @@ scaled by ``s``; JAX differentiates that formula, which compiles to what a
 plain dense layer's program does plus the elementwise scalings, in every
 mode, with one exception. A layer whose inputs carry no derivative (a first
 layer) would form ``dr`` through the input-gradient matmul ``(g * s) @ W^T``
-that a plain dense layer's first-layer backward never does. There the
-derivative is written member by member (:func:`_member_tangent`), so that
-reverse mode forms each member's kernel gradient ``M_k = x_k^T g_k`` in turn
-and reads ``dW``, ``dr_k`` and ``ds_k`` off it: the matmuls of a plain dense
-layer, and never an ``[E, in, out]`` array (``docs/cost.md`` has the
-measurements). It is a ``jax.custom_jvp``, so forward mode, ``hessian``,
-``linear_transpose`` and ``vmap`` keep working.
+that a plain dense layer's first-layer backward never does. There, given
+enough rows per member (:data:`MEMBER_BACKWARD_MIN_ROWS`), the derivative is
+written member by member (:func:`_member_tangent`), so that reverse mode forms
+each member's kernel gradient ``M_k = x_k^T g_k`` in turn and reads ``dW``,
+``dr_k`` and ``ds_k`` off it: the matmuls of a plain dense layer, and never an
+``[E, in, out]`` array (``docs/cost.md`` has the measurements). It is a
+``jax.custom_jvp``, so forward mode, ``hessian``, ``linear_transpose`` and
+``vmap`` keep working.
 
 With more than one device a batch may be sharded: then the row axis is never
 reshaped (:func:`dense_by_row`, ``docs/scaling_out.md``). ``impl="pallas"``
@@ -48,6 +49,7 @@ from ensembles._checks import (
 
 __all__ = [
     "IMPLS",
+    "MEMBER_BACKWARD_MIN_ROWS",
     "batch_ensemble_dense",
     "check_shapes",
     "dense_by_row",
@@ -61,6 +63,15 @@ __all__ = [
 IMPLS: tuple[str, ...] = ("xla", "pallas")
 
 _FLAT = (((1,), (0,)), ((), ()))  # [rows, in] @ [in, out]
+
+#: The fewest rows per member (``B`` times any middle axes) for which a first
+#: layer's backward runs member by member (:func:`_member_tangent`). Its
+#: reductions pass over ``E x in x out`` values where JAX's own backward does
+#: an input-gradient matmul of ``E*B x in x out`` multiply-adds: measured on a
+#: 2-core x86-64 CPU (``docs/cost.md``), the per-member backward wins from
+#: about 64 rows (512 x 512) or 128 rows (1024 x 1024, 2048 x 2048) per member
+#: and loses up to 2x below (32 rows: 2.7x against 1.4x a plain layer's).
+MEMBER_BACKWARD_MIN_ROWS: int = 128
 
 
 def check_shapes(inputs, kernel, r, s, bias, num_members: int) -> None:
@@ -162,7 +173,8 @@ def _member_tangent(x3, kernel, r, s, dkernel, dr, ds, precision, pet):
 
 def _scaled_matmul_jvp(precision, pet, primals, tangents):
     live = [type(t) is not SymbolicZero for t in tangents]
-    if not live[0] and any(live[1:]):
+    rows = primals[0].shape[1]
+    if not live[0] and any(live[1:]) and rows >= MEMBER_BACKWARD_MIN_ROWS:
         y = _scaled_matmul.fun(*primals, precision, pet)
         dkernel, dr, ds = (
             t if on else None for t, on in zip(tangents[1:], live[1:], strict=True)

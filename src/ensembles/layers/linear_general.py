@@ -251,7 +251,8 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             kernel_init=flat_initializer(
                 kernel_init, len(batch_shape) + len(in_features), "kernel_init"
             ),
-            bias_init=flat_initializer(bias_init, 1, "bias_init"),
+            # Unused without a bias, so anything, as in Flax.
+            bias_init=flat_initializer(bias_init, 1, "bias_init") if use_bias else None,
             r_init=r_init,
             s_init=s_init,
             posterior=posterior,

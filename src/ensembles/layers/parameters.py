@@ -206,6 +206,7 @@ def flat_initializer(
     those of the flattened contraction) and its bias flat; so do we: the first
     ``num_rows`` axes of the shape asked for become the first flat axis.
     """
+    check_initializer(initializer, name)
 
     def init(key, shape, dtype):
         flat_shape = (math.prod(shape[:num_rows]), math.prod(shape[num_rows:]))

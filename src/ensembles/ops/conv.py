@@ -235,9 +235,25 @@ def conv_rows(
     """The convolution, its options already checked; the arrays' shapes checked.
 
     What :func:`batch_ensemble_conv` runs after checking its options, and what
-    the layers call with the options they checked at construction (``padding``
-    in canonical form, :func:`~ensembles.ops.conv_options.check_padding`;
-    ``num_members`` is 1 in a member view).
+    the layers call with the options they checked at construction.
+
+    Args:
+      inputs: ``[E*B, ..., *spatial, in]`` member-major, channels-last.
+      kernel: ``[*kernel_size, in/G, out]``.
+      r: ``[E, in]``.
+      s: ``[E, out]``.
+      bias: ``[E, out]`` or ``None``.
+      num_members: the ensemble size E (1 in a member view).
+      strides: one int per spatial dimension.
+      padding: in canonical form (:func:`~ensembles.ops.conv_options.check_padding`).
+      input_dilation: one int per spatial dimension.
+      kernel_dilation: one int per spatial dimension.
+      feature_group_count: G.
+      precision: of every convolution, forward and backward.
+      preferred_element_type: of every convolution, forward and backward.
+
+    Returns:
+      ``[E*B, ..., *out_spatial, out]``.
 
     Raises:
       ValueError: if a shape does not fit the others (the message says which).

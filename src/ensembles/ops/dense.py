@@ -308,8 +308,25 @@ def dense_rows(
     """The dense op on operands already checked (:func:`check_shapes`).
 
     What :func:`batch_ensemble_dense` runs after its checks, and what the
-    layers call with the options they checked at construction. ``num_members``
-    is ``r.shape[0]``.
+    layers (and the general and einsum ops) call with the options they
+    checked once: the Pallas kernel where ``impl="pallas"``, the sharded-rows
+    path where more than one device is visible (:func:`rows_may_be_sharded`),
+    else the formula on the ``[E, B, in]`` view with its custom derivative.
+
+    Args:
+      inputs: ``[E*B, ..., in_features]`` member-major batch.
+      kernel: ``[in_features, out_features]``.
+      r: ``[E, in_features]``; E is read from it.
+      s: ``[E, out_features]``.
+      bias: ``[E, out_features]`` or ``None``.
+      precision: of every matmul, forward and backward.
+      preferred_element_type: of every matmul, forward and backward.
+      impl: ``"xla"`` or ``"pallas"`` (checked by the caller).
+      interpret: ``"pallas"`` only (else a ``ValueError`` names it).
+      block_sizes: ``"pallas"`` only (else a ``ValueError`` names it).
+
+    Returns:
+      The ``[E*B, ..., out_features]`` outputs.
     """
     if impl == "pallas":
         from ensembles.experimental import pallas  # opt-in: imported when named

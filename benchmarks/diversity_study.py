@@ -62,6 +62,22 @@ CANDIDATES = {
         "fast_weight_init": init.normal(1.0, 0.25),
         "first_layer_init": (init.random_sign(), init.normal(1.0, 0.25)),
     },
+    "signs first std 0.5 rest": {
+        "fast_weight_init": init.normal(1.0, 0.5),
+        "first_layer_init": (init.random_sign(), init.normal(1.0, 0.5)),
+    },
+    "signs first std 0.1 rest": {
+        "fast_weight_init": init.normal(1.0, 0.1),
+        "first_layer_init": (init.random_sign(), init.normal(1.0, 0.1)),
+    },
+    "signs first std 0.25 rest fast lr x2": {
+        "fast_weight_init": init.normal(1.0, 0.25),
+        "first_layer_init": (init.random_sign(), init.normal(1.0, 0.25)),
+        "fast_lr_multiplier": 2.0,
+    },
+    "signs every r std 0.25 s": {
+        "fast_weight_init": (init.random_sign(), init.normal(1.0, 0.25)),
+    },
     "fast lr x2": {"fast_lr_multiplier": 2.0},
     "NCL 0.5": {"diversity": 0.5},
     "2x steps": {"steps_factor": 2},
@@ -88,6 +104,10 @@ def _load(task):
 
 def _models(task):
     return ("cnn",) if task == "mnist1d_check" else TASK_MODELS[task]
+
+
+def _steps(task):
+    return TASK_STEPS["mnist1d" if task == "mnist1d_check" else task]
 
 
 def _key(row):
@@ -123,7 +143,7 @@ def run(args):
                             continue
                         options = dict(recipe)
                         method = options.pop("method", "batchensemble")
-                        steps = TASK_STEPS[task] * options.pop("steps_factor", 1)
+                        steps = _steps(task) * options.pop("steps_factor", 1)
                         began = time.time()
                         trained = train_method(
                             method,

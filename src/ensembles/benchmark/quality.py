@@ -371,8 +371,8 @@ def run_quality(
     ['accuracy', 'aurc', 'brier', 'ece', 'nll']
     >>> [level["severity"] for level in rows[1]["recalibrated"]["shift"]]
     [1, 2, 3, 4, 5]
-    >>> rows[1]["temperature"] > 0, rows[1]["validation_examples"]
-    (True, 10)
+    >>> rows[1]["temperature"] > 0, rows[1]["validation_examples"]  # half of 100
+    (True, 50)
 
     Your own classifier and data: a factory ``rngs -> nnx.Module`` (rows are
     named after it) and a :class:`QualityData` of your arrays, with whatever

@@ -185,7 +185,7 @@ def train_method(
     num_members: int,
     steps: int = STEPS,
     seed: int = 0,
-    fast_weight_init: Initializer | None = None,
+    fast_weight_init: Initializer | tuple[Initializer, Initializer] | None = None,
     fast_lr_multiplier: float = FAST_LR_MULTIPLIER,
     tiled: bool = True,
     prior_stddev: float | None = None,
@@ -225,7 +225,8 @@ def train_method(
       steps: optimizer steps.
       seed: seed of the parameters, the fast weights, the batches and the
         dropout masks.
-      fast_weight_init: the fast weights' ``r_init`` and ``s_init``; ``None``
+      fast_weight_init: the fast weights' ``r_init`` and ``s_init`` (one
+        for both, or a pair ``(r_init, s_init)``); ``None``
         keeps the library's default.
       fast_lr_multiplier: the fast weights' learning rate over the shared
         weights'.
@@ -315,14 +316,12 @@ def train_method(
             return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
 
     elif method in ("batchensemble", "rank1"):
-        inits = (
-            {}
-            if fast_weight_init is None
-            else {
-                "r_init": fast_weight_init,
-                "s_init": fast_weight_init,
-            }
-        )
+        if fast_weight_init is None:
+            inits = {}
+        elif isinstance(fast_weight_init, tuple):
+            inits = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
+        else:
+            inits = {"r_init": fast_weight_init, "s_init": fast_weight_init}
         if method == "rank1":
             inits["posterior"] = "gaussian"
             if prior_stddev is not None:

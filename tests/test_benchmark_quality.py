@@ -13,13 +13,7 @@ import pytest
 import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
-from ensembles.benchmark.quality import (
-    METRICS,
-    MIN_GAP,
-    evaluate,
-    split_validation,
-    summarize,
-)
+from ensembles.benchmark.quality import METRICS, evaluate, split_validation
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
     SHIFTS,
@@ -32,7 +26,7 @@ from ensembles.benchmark.quality_methods import (
     train_method,
 )
 from ensembles.benchmark.quality_models import build_quality_model
-from ensembles.benchmark.quality_report import format_quality
+from ensembles.benchmark.quality_report import MIN_GAP, format_quality, summarize
 from tests.tolerances import assert_close
 
 pytest.importorskip("mnist1d")
@@ -184,6 +178,7 @@ def test_models_fit_every_task(name, input_shape, num_classes):
         build_quality_model("cnn", input_shape=(2, 3, 4), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_rank1_draws_several_predictions_per_member(data):
     trained = train_method(
         "rank1",
@@ -219,6 +214,7 @@ def test_models_and_dropout(name):
     assert_close(dropped(x), dropped(x))
 
 
+@pytest.mark.slow
 def test_methods_are_what_they_claim(data):
     trained = {}
     for method in QUALITY_METHODS:  # "single" first: "finetuned" starts from it
@@ -268,6 +264,7 @@ def test_methods_are_what_they_claim(data):
         assert t.train_s > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, options, draws",
     [
@@ -294,6 +291,7 @@ def test_what_each_member_sees(data, monkeypatch, method, options, draws):
     assert calls == [(200, 100, draws)]  # traced once, B = 100 per member
 
 
+@pytest.mark.slow
 def test_training_reduces_the_loss_and_is_seeded(data):
     def nll(seed, steps):
         trained = train_method(
@@ -323,6 +321,7 @@ def test_unknown_method_and_model():
 # ---------------------------------------------------------------- metrics
 
 
+@pytest.mark.slow
 def test_report_metrics_equal_the_uncertainty_module(data):
     trained = train_method(
         "deep_ensemble", "mlp", data.x_train, data.y_train, num_members=2, steps=5
@@ -385,6 +384,7 @@ def test_report_metrics_equal_the_uncertainty_module(data):
                 )
 
 
+@pytest.mark.slow
 def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypatch):
     # Every fit_temperature call must see the validation split and nothing
     # else: the logits of the held-out training rows and their labels; no
@@ -447,6 +447,7 @@ def test_a_validation_set_of_your_own_is_kept(data):
         split_validation(one)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, members", [("single", 2), ("batchensemble", 1), ("batchensemble", 2)]
 )
@@ -463,6 +464,7 @@ def test_mutual_information_auroc_only_with_several_members(data, method, member
         assert (scores["fpr95_mi"] is None) == one_member
 
 
+@pytest.mark.slow
 def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypatch):
     import ensembles.benchmark.quality as quality
 
@@ -615,6 +617,7 @@ def test_quality_without_mnist1d(capsys, monkeypatch):
     assert "--quality needs mnist1d" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     # The --quick path (the CNN, one seed, every method, the standard data),
     # with a few steps instead of 2,000.
@@ -679,6 +682,7 @@ def test_quick_run_json_has_every_method_and_field(capsys, tmp_path, offline):
     assert plot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_every_task_runs_through_the_command(tmp_path, capsys):
     pytest.importorskip("sklearn")
     out = tmp_path / "tasks.json"
@@ -744,6 +748,7 @@ def _tiny(rngs):
     return nnx.Sequential(nnx.Linear(6, 3, rngs=rngs))
 
 
+@pytest.mark.slow
 def test_a_users_severities_and_families_are_all_reported(tmp_path):
     # Severities other than 1..5 (and a severity with one family less): every
     # one in the rows, in order, in the means, the tables and the plot.
@@ -889,6 +894,7 @@ def test_a_factory_module_in_the_working_directory_is_found(tmp_path, monkeypatc
         load_factory("not_a_module_anywhere:build")
 
 
+@pytest.mark.slow
 def test_a_temperature_the_validation_set_cannot_identify_is_flagged():
     # On held-out examples without a single error the NLL falls as T -> 0:
     # the fit ends at its lower bound, and the row and the table say so.

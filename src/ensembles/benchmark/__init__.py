@@ -35,7 +35,6 @@ from ensembles.benchmark.quality import (
     evaluate,
     run_quality,
     split_validation,
-    summarize,
     validation_size,
 )
 from ensembles.benchmark.quality_data import (
@@ -50,7 +49,11 @@ from ensembles.benchmark.quality_methods import (
     train_method,
 )
 from ensembles.benchmark.quality_models import QUALITY_MODELS, build_quality_model
-from ensembles.benchmark.quality_report import format_quality, write_quality_plot
+from ensembles.benchmark.quality_report import (
+    format_quality,
+    summarize,
+    write_quality_plot,
+)
 from ensembles.benchmark.speed import run_benchmark
 from ensembles.benchmark.timing import (
     interleaved_times,

@@ -19,7 +19,6 @@ any other would.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,14 +44,12 @@ from ensembles.benchmark.quality_models import (
 
 __all__ = [
     "METRICS",
-    "MIN_GAP",
     "MIN_VALIDATION",
     "VALIDATION_FRACTION",
     "check_run",
     "evaluate",
     "run_quality",
     "split_validation",
-    "summarize",
     "validation_size",
 ]
 
@@ -73,10 +70,6 @@ VALIDATION_FRACTION: float = 0.1
 #: ``temperature_at_bound``).
 MIN_VALIDATION: int = 300
 
-#: "Gap closed" is only defined where the deep ensemble's NLL is lower than
-#: one model's by at least this share of one model's NLL: over a smaller gap
-#: the ratio is noise (a 0.001 gap makes 125% or -1200% of nothing).
-MIN_GAP: float = 0.02
 
 #: The temperatures :func:`evaluate` fits within (those of
 #: :func:`ensembles.uncertainty.fit_temperature`).
@@ -356,7 +349,8 @@ def run_quality(
 
     Every method trains on the training set less a validation split
     (:func:`split_validation`), on which each fits its temperature. The rows
-    are per seed; :func:`summarize` gives means and standard deviations, and
+    are per seed; :func:`~ensembles.benchmark.quality_report.summarize`
+    gives means and standard deviations, and
     :func:`~ensembles.benchmark.quality_report.format_quality` the tables
     (of rows or of a summary).
 
@@ -507,120 +501,3 @@ def run_quality(
                     )
     show("")
     return rows
-
-
-def _mean_std(values: list[float | None]) -> dict[str, float | None]:
-    if any(value is None for value in values):
-        return {"mean": None, "std": None}
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-    }
-
-
-def _aggregate(values: list[Any]) -> Any:
-    """Means and stds over seeds of a measurement tree (dicts, lists, numbers).
-
-    A ``"severity"`` entry is a label, kept as it is.
-    """
-    first = values[0]
-    if isinstance(first, dict):
-        return {
-            key: (
-                first[key]
-                if key == "severity"
-                else _aggregate([value[key] for value in values])
-            )
-            for key in first
-        }
-    if isinstance(first, list):
-        return [_aggregate([value[i] for value in values]) for i in range(len(first))]
-    return _mean_std(values)
-
-
-_IDENTITY = ("task", "method", "model", "members", "seed", "steps")
-_COUNTS = ("params", "train_examples", "validation_examples")
-
-
-def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Means and standard deviations over seeds, per task, model, E and method.
-
-    >>> from ensembles.benchmark.quality import summarize
-    >>> row = {"method": "single", "model": "mlp", "members": 4, "params": 10,
-    ...        "train_s": 1.0, "in_distribution": {"nll": 0.5},
-    ...        "shift": [{"severity": 1, "nll": 0.7}], "shift_mean": {"nll": 0.7},
-    ...        "ood": {"noise": {"auroc_entropy": 0.6, "auroc_mi": None}}}
-    >>> other = {**row, "in_distribution": {"nll": 0.7}}
-    >>> summary = summarize([row, other])[0]
-    >>> round(summary["in_distribution"]["nll"]["mean"], 6)
-    0.6
-    >>> summary["seeds"], summary["ood"]["noise"]["auroc_mi"]
-    (2, {'mean': None, 'std': None})
-
-    Args:
-      rows: from :func:`run_quality`.
-
-    Returns:
-      One dict per (task, model, E, method), in first-seen order, with
-      ``seeds`` (how many), ``params`` and, for ``train_s``, the temperature
-      and every measurement (as trained and ``recalibrated``), ``{"mean": m,
-      "std": s}`` (sample standard deviation; 0 for one seed). A
-      ``gap_closed`` entry on ``batchensemble``, ``rank1`` and ``finetuned``
-      rows with a single model and a deep ensemble beside them gives the
-      fraction of the NLL gap from one model to the deep ensemble that it
-      closes, in distribution and under shift (mean over severities),
-      recalibrated (``gap_closed``) and as trained
-      (``gap_closed_as_trained``); ``None`` where the deep ensemble is no
-      better than one model (by at least :data:`MIN_GAP` of its NLL).
-    """
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        key = (row.get("task", "mnist1d"), row["model"], row["members"], row["method"])
-        groups.setdefault(key, []).append(row)
-    summary = []
-    for (task, model, members, method), group in groups.items():
-        measured = {
-            key: value
-            for key, value in group[0].items()
-            if key not in _IDENTITY and key not in _COUNTS
-        }
-        entry: dict[str, Any] = {
-            "task": task,
-            "method": method,
-            "model": model,
-            "members": members,
-            "seeds": len(group),
-            **{key: group[0][key] for key in _COUNTS if key in group[0]},
-            **{key: _aggregate([row[key] for row in group]) for key in measured},
-        }
-        summary.append(entry)
-    by_key = {(e["task"], e["model"], e["members"], e["method"]): e for e in summary}
-    for entry in summary:
-        if entry["method"] not in ("batchensemble", "rank1", "finetuned"):
-            continue
-        where = (entry["task"], entry["model"], entry["members"])
-        single = by_key.get((*where, "single"))
-        deep = by_key.get((*where, "deep_ensemble"))
-        if single is None or deep is None:
-            continue
-        for name, pick in (
-            ("gap_closed", lambda e: e.get("recalibrated")),
-            ("gap_closed_as_trained", lambda e: e),
-        ):
-            if any(pick(e) is None for e in (single, entry, deep)):
-                continue
-            entry[name] = {
-                part: _gap_closed(
-                    pick(single)[part], pick(entry)[part], pick(deep)[part]
-                )
-                for part in ("in_distribution", "shift_mean")
-                if "nll" in pick(entry).get(part, {})
-            }
-    return summary
-
-
-def _gap_closed(single: dict, ensemble: dict, deep: dict) -> float | None:
-    gap = single["nll"]["mean"] - deep["nll"]["mean"]
-    if gap <= MIN_GAP * abs(single["nll"]["mean"]):
-        return None  # the deep ensemble is no better: there is no gap to close
-    return (single["nll"]["mean"] - ensemble["nll"]["mean"]) / gap

@@ -308,6 +308,7 @@ def test_train_deep_ensemble_vmap_equals_loop():
 # ---------------------------------------------------------------- the command
 
 
+@pytest.mark.slow  # the command, end to end
 def test_main_json_and_table(capsys, tmp_path):
     path = tmp_path / "bench.json"
     assert main([*TINY_ARGS, "--json", str(path)]) == 0
@@ -428,6 +429,7 @@ def small_cnn(rngs):
     )
 
 
+@pytest.mark.slow
 def test_a_users_model_through_run_benchmark():
     rows = run_benchmark(
         models=[small_cnn],
@@ -453,6 +455,7 @@ def test_a_users_model_through_run_benchmark():
         run_benchmark(models=[small_cnn], modes=["forward"], members=[2], repeats=1)
 
 
+@pytest.mark.slow  # the command, end to end
 def test_cli_takes_a_users_model(capsys):
     status = main(
         [
@@ -473,6 +476,9 @@ def test_cli_takes_a_users_model(capsys):
     assert status == 0
     out = capsys.readouterr().out
     assert "small_cnn forward: B=2 per member, impl=xla" in out
+
+
+def test_cli_names_what_is_wrong_with_a_users_model(capsys):
     for argv, message in (
         (["--model", "tests.test_benchmark:small_cnn"], "needs --input-shape"),
         (["--model", "tests.test_benchmark:nothing"], "has no callable 'nothing'"),
@@ -544,11 +550,22 @@ def scan_mlp(rngs):
 
 
 STATEFUL = [dropout_mlp, batchnorm_mlp, scan_mlp]
+# The quick tier checks the stacked body (its blocks hold all three kinds of
+# state); the slow tier the two small models too.
+STATEFUL_CASES = [
+    pytest.param(dropout_mlp, marks=pytest.mark.slow),
+    pytest.param(batchnorm_mlp, marks=pytest.mark.slow),
+    scan_mlp,
+]
 
 
+@pytest.mark.slow  # 24 methods compiled and timed
 def test_every_method_runs_on_models_with_dropout_batchnorm_and_scan():
+    # The model (Dropout) and the stacked body (its blocks hold
+    # Dropout and BatchNorm, under nnx.scan).
+    models = [dropout_mlp, scan_mlp]
     rows = run_benchmark(
-        models=STATEFUL,
+        models=models,
         input_shape=(6,),
         modes=list(MODES),
         members=[2],
@@ -557,13 +574,13 @@ def test_every_method_runs_on_models_with_dropout_batchnorm_and_scan():
     )
     assert [(r["model"], r["mode"], r["method"]) for r in rows] == [
         (f.__name__, mode, method)
-        for f in STATEFUL
+        for f in models
         for mode in MODES
         for method in METHODS
     ]
     assert all(r["median_s"] > 0 and r["params"] > 0 for r in rows)
     by_case = {(r["model"], r["mode"], r["method"]): r for r in rows}
-    for f in STATEFUL:
+    for f in models:
         # The converted model has fast weights: every layer was converted.
         assert (
             by_case[f.__name__, "train", "batchensemble"]["params"]
@@ -593,7 +610,7 @@ def _reference_losses(factory, x, labels, steps):
     return losses, nnx.state(model, nnx.Param)
 
 
-@pytest.mark.parametrize("factory", STATEFUL)
+@pytest.mark.parametrize("factory", STATEFUL_CASES)
 def test_train_step_is_a_users_training_loop(factory):
     # The step carries the rng counts and running statistics over: the
     # dropout masks of step 2 are not those of step 1, as in a training loop.
@@ -607,7 +624,7 @@ def test_train_step_is_a_users_training_loop(factory):
     jax.tree.map(assert_close, prepared.params(), params)
 
 
-@pytest.mark.parametrize("factory", STATEFUL)
+@pytest.mark.parametrize("factory", STATEFUL_CASES)
 def test_train_deep_ensemble_vmap_equals_loop_with_state(factory):
     shape = {"num_members": E, "batch": B, "input_shape": (6,)}
     vmapped = prepare_method("deep_ensemble", factory, "train", **shape)
@@ -618,6 +635,7 @@ def test_train_deep_ensemble_vmap_equals_loop_with_state(factory):
     jax.tree.map(assert_close, vmapped.params(), stacked)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", STATEFUL)
 def test_batchensemble_with_ones_equals_single_with_state(factory):
     # The converted model keeps the Dropout (its rng stream, so its masks) and

@@ -179,7 +179,14 @@ def test_orbax_checkpoint_roundtrip_is_bit_exact(tmp_path):
     np.testing.assert_array_equal(nnx.merge(graphdef, restored)(x), expected)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# The transformer block runs in the slow tier, the CNN in the quick one.
+MODEL_NAMES = [
+    pytest.param(name, marks=pytest.mark.slow) if name == "transformer" else name
+    for name in MODELS
+]
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
 class TestRealModels:
     def build(self, name):
         cls, shape = MODELS[name]
@@ -244,7 +251,7 @@ class TestRealModels:
 
 
 @pytest.mark.parametrize("norms", ["shared", "member"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_a_model_cast_to_bfloat16_stays_bfloat16(name, norms):
     """Cast after building (its param_dtype still says float32): stays bf16."""
     cls, shape = MODELS[name]

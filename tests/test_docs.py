@@ -3,8 +3,9 @@ would paste them, each page in a fresh process.
 
 Each runs as on a machine with one device, whatever XLA_FLAGS the tests run
 under: ``scaling_out.md`` builds meshes of 8 devices, and its own code must
-set them up. A page whose snippets end with values worth checking is checked
-further in its own module's tests (``test_rank1``, ``test_uncertainty_metrics``).
+set them up. A page whose snippets end with values worth checking is run (in
+process) and checked by its own module's tests instead (``test_rank1``,
+``test_uncertainty_metrics``), not run twice.
 """
 
 import os
@@ -15,12 +16,18 @@ import sys
 
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-PAGES = sorted(
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+WITH_CODE = sorted(
     page.name
     for page in DOCS.glob("*.md")
     if re.search(r"```python\n", page.read_text())
 )
+RUN_ELSEWHERE = {
+    "rank1.md": "tests/test_rank1.py",
+    "uncertainty.md": "tests/test_uncertainty_metrics.py",
+}
+PAGES = [name for name in WITH_CODE if name not in RUN_ELSEWHERE]
 
 
 def page_code(name):
@@ -31,8 +38,12 @@ def page_code(name):
 
 def test_every_page_with_code_is_run():
     assert {"converting.md", "training.md", "getting_started.md"} <= set(PAGES)
+    for name, module in RUN_ELSEWHERE.items():
+        assert name in WITH_CODE
+        assert f'"docs" / "{name}"' in (ROOT / module).read_text(), module
 
 
+@pytest.mark.slow  # every page in a fresh Python, end to end
 @pytest.mark.parametrize("name", PAGES)
 def test_the_page_runs_as_written(name, tmp_path):
     pytest.importorskip("optax")

@@ -14,6 +14,7 @@ def load(name):
     return module
 
 
+@pytest.mark.slow
 def test_quickstart_runs_and_learns(capsys):
     pytest.importorskip("sklearn", reason="examples need the `examples` extra")
     accuracy = load("quickstart").main(["--steps", "60", "--members", "2"])

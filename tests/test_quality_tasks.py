@@ -232,6 +232,7 @@ def test_load_task():
         load_task("cifar")
 
 
+@pytest.mark.slow
 def test_load_task_quick_mnist1d():
     pytest.importorskip("mnist1d")
     for name in ("mnist1d", "mnist1d_harsh"):

@@ -679,6 +679,7 @@ class TestErrors:
         np.testing.assert_allclose(jax.nn.softplus(huge), 50.0)
 
 
+@pytest.mark.slow
 def test_the_rank1_guide_runs_as_written():
     # docs/rank1.md promises its snippets run as written, in order.
     import pathlib

@@ -40,6 +40,13 @@ CASES = {
 }
 
 
+# The quick tier runs the smallest model; the slow tier the three others.
+NAMES = [
+    name if name == "scan_mlp" else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(CASES)
+]
+
+
 def _model(name):
     make, inputs = CASES[name]
     model = make(nnx.Rngs(0))
@@ -47,7 +54,7 @@ def _model(name):
     return model, inputs()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_ones_reproduce_the_model_for_every_member(name):
     model, inputs = _model(name)
     converted = ensembles.to_batch_ensemble(
@@ -59,7 +66,7 @@ def test_ones_reproduce_the_model_for_every_member(name):
         assert_close(outputs[k], expected, scale=10)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_members_differ_and_extract_equals_view_equals_rows(name):
     model, inputs = _model(name)
     converted = ensembles.to_batch_ensemble(model, num_members=E, rngs=nnx.Rngs(1))
@@ -142,6 +149,7 @@ def test_rank1_stacked_layers_draw_per_layer_and_call():
     assert np.isfinite(float(ensembles.kl_divergence(converted)))
 
 
+@pytest.mark.slow
 def test_ensemble_tiles_positions_and_masks():
     model, inputs = _model("decoder")
     converted = ensembles.to_batch_ensemble(model, num_members=E, rngs=nnx.Rngs(1))
@@ -180,6 +188,7 @@ def test_ensemble_untiled_arguments_and_outputs_of_other_sizes():
         ensembles.Ensemble(Probe(nnx.Rngs(0)), num_members=E, untiled=[1.5])
 
 
+@pytest.mark.slow
 def test_summary_names_everything_that_stayed_shared():
     decoder, _ = _model("decoder")
     info = ensembles.summary(
@@ -261,7 +270,7 @@ def _flat_params(module):
     }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_a_train_step_moves_fast_and_shared_weights(name):
     model, inputs = _model(name)
     converted = ensembles.to_batch_ensemble(model, num_members=E, rngs=nnx.Rngs(1))

@@ -107,6 +107,7 @@ def call(names, logits, labels=None, jit=False):
 # ------------------------------------------------------------ uncertainty: NaN
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=broken_logits(), jit=st.booleans())
 def test_per_example_scores_contain_broken_examples(case, jit):
@@ -125,6 +126,7 @@ def test_per_example_scores_contain_broken_examples(case, jit):
             np.testing.assert_allclose(scores[~broken], alone, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=broken_logits(), jit=st.booleans(), seed=st.integers(0, 100))
 def test_metrics_are_nan_if_any_example_is_broken(case, jit, seed):
@@ -139,6 +141,7 @@ def test_metrics_are_nan_if_any_example_is_broken(case, jit, seed):
             assert not np.isnan(value), name
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(case=broken_logits(), seed=st.integers(0, 100), offset=st.integers(1, 3))
 def test_out_of_range_labels_raise_eagerly_and_poison_under_jit(case, seed, offset):
@@ -276,6 +279,7 @@ def each_kind(arguments):
     return decorate
 
 
+@pytest.mark.slow
 @SMALL
 @given(
     kind=st.sampled_from(LAYERS),
@@ -349,6 +353,7 @@ def bad_calls(kind, num_members, batch, features):
     return calls
 
 
+@pytest.mark.slow
 @SMALL
 @given(
     kind=st.sampled_from(LAYERS),

@@ -154,6 +154,7 @@ def test_jvp_linearize_and_vjp(x64, name):
     _close(vjp(layer_fn), vjp(reference_fn), err_msg="vjp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_jacfwd_and_hessian(x64, name):
     layer_fn, reference_fn, params, x = _setup(name)
@@ -174,6 +175,7 @@ def test_jacfwd_and_hessian(x64, name):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", WEIGHT_LAYERS)
 def test_linear_transpose(x64, name):
     layer_fn, reference_fn, params, x = _setup(name)

@@ -586,6 +586,7 @@ def test_exported():
     assert {*LABELED, "aupr", "fpr_at_tpr"} <= set(uncertainty.__all__)
 
 
+@pytest.mark.slow
 def test_the_uncertainty_guide_runs_as_written():
     # docs/uncertainty.md promises its snippets run as written, in order.
     guide = pathlib.Path(__file__).parents[1] / "docs" / "uncertainty.md"

@@ -189,6 +189,7 @@ TABLE_CASES = covering(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family, shape, dtype",
     [
@@ -251,6 +252,7 @@ def test_gpu_kernels_with_small_blocks(launches, case):
     assert len(launches) >= 3
 
 
+@pytest.mark.slow
 def test_tpu_kernels_in_the_tpu_simulator(launches):
     # Random grid order and NaN-filled VMEM: a stricter check of the
     # accumulators' init/store logic.

@@ -248,6 +248,7 @@ def test_jvp_in_float32_and_bfloat16(name, dtype):
     assert_close_to_scale(dy, dy_ref, dtype, scale=4, err_msg="dy")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_jacfwd_and_hessian(x64, name):
     op, reference, _ = OPS[name]
@@ -266,6 +267,7 @@ def test_jacfwd_and_hessian(x64, name):
     _close(hessians, expected, 1e-10, "hessian")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_linear_transpose(x64, name):
     op, reference, _ = OPS[name]
@@ -292,6 +294,7 @@ def test_linear_transpose(x64, name):
     _close(transposed[:4], vjp(cotangent)[:4], 1e-12, "transpose(linearize)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dense", "conv"])
 def test_vmap_of_gradients_and_of_jvp(x64, name):
     op, reference, _ = OPS[name]

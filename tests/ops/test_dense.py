@@ -140,6 +140,7 @@ def test_default_impl_is_xla():
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
     num_members=st.integers(1, 6),

@@ -360,6 +360,7 @@ class TestErrors:
             op(config, 2, impl=impl)(*args)
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_property_random_einsum_strings(data):

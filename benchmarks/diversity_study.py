@@ -82,6 +82,16 @@ CANDIDATES = {
     "NCL 0.5": {"diversity": 0.5},
     "2x steps": {"steps_factor": 2},
     "rank1": {"method": "rank1"},
+    "rank1 signs first std 0.5 rest": {
+        "method": "rank1",
+        "fast_weight_init": init.normal(1.0, 0.5),
+        "first_layer_init": (init.random_sign(), init.normal(1.0, 0.5)),
+    },
+    "rank1 signs first std 0.25 rest": {
+        "method": "rank1",
+        "fast_weight_init": init.normal(1.0, 0.25),
+        "first_layer_init": (init.random_sign(), init.normal(1.0, 0.25)),
+    },
 }
 BASELINES = {"single": {"method": "single"}, "deep": {"method": "deep_ensemble"}}
 
@@ -217,11 +227,19 @@ def _mean(recipes, recipe, measure, seeds):
     return statistics.fmean(_value(recipes[recipe][s], measure) for s in seeds)
 
 
-def report(paths):
+def report(paths, tasks=None, recipes=None, choosing=("mnist1d", "digits", "tabular")):
+    """Prints the tables; ``tasks``/``recipes`` restrict them (ranks are only
+    comparable among recipes measured on the same tasks and seeds)."""
     rows = []
     for path in paths:
         with open(path) as f:
             rows += json.load(f)
+    rows = [
+        r
+        for r in rows
+        if (tasks is None or r["task"] in tasks)
+        and (recipes is None or r["recipe"] in (*recipes, *BASELINES))
+    ]
     cells = _cells(rows)
     ranks = {}  # (task, recipe) -> list of ranks
     underconfident = {}  # (task, recipe) -> list of ECE - deep's ECE
@@ -272,7 +290,7 @@ def report(paths):
         "as trained is on average at most the deep ensemble's there):\n"
     )
     for held in tasks:
-        others = [t for t in tasks if t != held]
+        others = [t for t in tasks if t != held and t in choosing]
         scored = []
         for name in names:
             if not all((t, name) in ranks for t in others):
@@ -304,9 +322,15 @@ def main(argv=None):
     parser.add_argument("--seeds", default="10,11,12")
     parser.add_argument("--recipes", default=",".join(CANDIDATES))
     parser.add_argument("--report", nargs="*", default=None)
+    parser.add_argument("--report-tasks", default=None)
+    parser.add_argument("--report-recipes", default=None)
     args = parser.parse_args(argv)
     if args.report is not None:
-        report(args.report or [args.json])
+        report(
+            args.report or [args.json],
+            tasks=args.report_tasks.split(",") if args.report_tasks else None,
+            recipes=args.report_recipes.split(",") if args.report_recipes else None,
+        )
         return
     args.tasks = args.tasks.split(",")
     args.models = args.models.split(",") if args.models else None

@@ -42,6 +42,7 @@ from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
 from ensembles.layers.parameters import (
     check_rngs,
     default_fast_weight_init,
+    default_input_r_init,
     drawing_from,
 )
 from ensembles.layers.posterior import (
@@ -88,6 +89,8 @@ def to_batch_ensemble(
     only: filterlib.Filter = ...,
     r_init: Initializer = default_fast_weight_init,
     s_init: Initializer = default_fast_weight_init,
+    input_r_init: Initializer | None = None,
+    input_layers: filterlib.Filter | None = None,
     norms: str = "shared",
     share_weights: bool = False,
     posterior: str | None = None,
@@ -101,8 +104,12 @@ def to_batch_ensemble(
     selected by ``only`` is
     replaced by its BatchEnsemble sibling built with ``from_*``: the kernel is
     kept, the bias is broadcast to every member and each fresh layer draws its
-    own fast weights from ``rngs``. With ``r_init = s_init =
-    ones()`` every member computes exactly what ``model`` does. ``model`` itself
+    own fast weights from ``rngs``. By default (the recipe of
+    ``docs/training.md``) the input layer's ``r`` are random signs and every
+    other fast weight is drawn from N(1, 0.5): members then see their inputs
+    through different sign patterns, and disagree more where the data did not
+    teach them to agree. With ``r_init = s_init = ones()`` every member
+    computes exactly what ``model`` does. ``model`` itself
     is never changed. Layers that are already BatchEnsemble layers are left
     alone, so converting a converted model again with the same ``num_members``
     and ``posterior`` is a no-op (it returns a copy); another ``num_members``,
@@ -135,8 +142,21 @@ def to_batch_ensemble(
         convert; default: all of them. A layer reachable by several paths
         (shared by several attributes) is selected if any of its paths
         matches; it is converted once and stays shared.
-      r_init: initializer for every converted layer's ``r``.
+      r_init: initializer for every converted layer's ``r`` (but the input
+        layer's, see ``input_r_init``).
       s_init: initializer for every converted layer's ``s``.
+      input_r_init: initializer for the input layer's ``r``. ``None``:
+        :func:`~ensembles.initializers.random_sign` (TabM's recipe, chosen
+        across tasks: ``docs/training.md``) while ``r_init`` is left at its
+        default, else ``r_init`` (so an explicit ``r_init``, e.g. ``ones()``
+        for an exact conversion, holds for every layer).
+      input_layers: an NNX filter selecting the input layers among the
+        converted ones. ``None``: the first convertible layer the model's
+        constructor created (attributes in the order they were set, lists in
+        order): the first layer of an ``nnx.Sequential``, and of a module that
+        builds its layers in the order it calls them. Of a stack of layers
+        built under ``nnx.vmap`` for ``nnx.scan``, only the first layer of the
+        stack counts.
       norms: ``"shared"`` keeps norm layers as they are (statistics and scale
         shared by all members); ``"member"`` replaces every norm in
         ``NORM_CONVERTERS`` by its per-member sibling.
@@ -156,7 +176,8 @@ def to_batch_ensemble(
 
     Raises:
       ValueError: if the model holds nothing to convert and no BatchEnsemble
-        layer, if its BatchEnsemble layers have another ``num_members`` or
+        layer, if ``input_layers`` selects none of the converted layers, if
+        its BatchEnsemble layers have another ``num_members`` or
         another ``posterior`` or ``prior_stddev`` (a converted layer keeps its
         fast weights), if
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
@@ -175,6 +196,10 @@ def to_batch_ensemble(
     share_weights = check_bool(share_weights, "share_weights")
     check_initializer(r_init, "r_init")
     check_initializer(s_init, "s_init")
+    if input_r_init is not None:
+        check_initializer(input_r_init, "input_r_init")
+    elif r_init is default_fast_weight_init:
+        input_r_init = default_input_r_init
     if posterior is not None:
         check_initializer(stddev_init, "stddev_init")
     predicate = filterlib.to_predicate(only)
@@ -261,6 +286,10 @@ def to_batch_ensemble(
             f"{type(model).__name__}: {seen}."
         )
 
+    input_paths = _input_layer_paths(
+        model, input_layers, paths, selected_paths, input_r_init is not None
+    )
+
     if custom_norms:
         warnings.warn(
             f'`norms="member"` converts Flax\'s norms ({_names(NORM_CONVERTERS)}) '
@@ -272,7 +301,7 @@ def to_batch_ensemble(
             stacklevel=2,
         )
 
-    def convert_layer(layer, rngs):
+    def convert_layer(layer, rngs, r_init=r_init):
         return CONVERTERS[type(layer)](
             layer,
             num_members=num_members,
@@ -300,9 +329,17 @@ def to_batch_ensemble(
         try:
             # A layer stacked for nnx.scan converts one layer at a time.
             if kind in CONVERTERS:
+                axes = layer_axes(node)
+                if tuple(path) in input_paths and not axes:
+                    return convert_layer(node, draw, r_init=input_r_init)
                 converted = map_layers(convert_layer, node, rngs=draw)
-                if layer_axes(node):
+                if axes:
                     converted.kernel = node.kernel  # the very Variable, stacked
+                if tuple(path) in input_paths:  # the stack's first layer only
+                    first = (0,) * axes
+                    r = converted.r[...]
+                    drawn = input_r_init(draw.params(), r[first].shape, r.dtype)
+                    converted.r[...] = r.at[first].set(drawn)
                 return converted
             return map_layers(convert_norm, node)
         except (ValueError, TypeError) as error:
@@ -317,6 +354,71 @@ def to_batch_ensemble(
     # initializer that fails halfway leaves the caller's streams where they were.
     with drawing_from(rngs) as draw:
         return nnx.recursive_map(convert, source, graph=True)
+
+
+def _input_layer_paths(
+    model: Any,
+    input_layers: filterlib.Filter | None,
+    paths: dict[int, list[tuple[Any, ...]]],
+    selected_paths: set[tuple[Any, ...]],
+    wanted: bool,
+) -> set[tuple[Any, ...]]:
+    """The paths of the layers that get ``input_r_init`` (all paths of each)."""
+    if not wanted:
+        return set()
+    converted = [
+        node
+        for node in _in_construction_order(model)
+        if type(node) in CONVERTERS
+        and any(tuple(p) in selected_paths for p in paths.get(id(node), []))
+    ]
+    if input_layers is None:
+        chosen = converted[:1]
+    else:
+        predicate = filterlib.to_predicate(input_layers)
+        chosen = [
+            node
+            for node in converted
+            if any(predicate(p, node) for p in paths[id(node)])
+        ]
+        if not chosen:
+            names = ["/".join(map(str, paths[id(n)][0])) for n in converted]
+            raise ValueError(
+                f"`input_layers` (={input_layers!r}) selects none of the layers "
+                f"to convert: {names}. Select the layers that read the model's "
+                f"input, or leave it None (the first layer the model created)."
+            )
+    return {tuple(p) for node in chosen for p in paths[id(node)]}
+
+
+def _in_construction_order(model: Any) -> list[Any]:
+    """``model``'s graph nodes, depth first, in the order they were created.
+
+    Each module's attributes in the order they were set (``nnx.iter_graph``
+    sorts them by name), lists in order.
+    """
+    order: list[Any] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, nnx.Variable) or id(node) in seen:
+            continue
+        node_impl = nnx_graph.get_node_impl(node)
+        if node_impl is None:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        if isinstance(node, nnx.Module):
+            children = [
+                child
+                for key, child in vars(node).items()
+                if not key.startswith("_pytree__")
+            ]
+        else:
+            children = list(node_impl.node_dict(node).values())
+        stack.extend(reversed(children))
+    return order
 
 
 def _names(types: Any) -> str:

@@ -46,17 +46,20 @@ def ones() -> Initializer:
     return init
 
 
-def normal(mean: float = 1.0, stddev: float = 0.75) -> Initializer:
-    """Fast weights drawn from ``N(mean, stddev**2)``; the default ``N(1, 0.75**2)``.
+def normal(mean: float = 1.0, stddev: float = 0.5) -> Initializer:
+    """Fast weights drawn from ``N(mean, stddev**2)``; the default ``N(1, 0.5**2)``.
 
-    That default is every BatchEnsemble layer's. A wider draw makes the members
-    differ more: it closes more of the NLL gap to a deep ensemble under shift
-    and, too wide, makes the ensemble underconfident in distribution. 0.75 had
-    the best mean rank over in-distribution and shift NLL and ECE across three
-    tasks (MNIST-1D, scikit-learn's digits, a tabular task; chosen leaving
-    each task out in turn, ``docs/training.md`` has the tables).
-    uncertainty-baselines uses 0.5 (250 epochs on CIFAR); from a pretrained
-    model, fine-tuning uses 0.3 (``docs/converting.md``).
+    That default is every BatchEnsemble layer's (with
+    :func:`random_sign` for the input layer's ``r`` when a model is converted
+    by :func:`ensembles.to_batch_ensemble`). A wider draw makes the members
+    differ more everywhere, in distribution too: the ensemble comes out
+    underconfident, and once each method is recalibrated that buys nothing
+    under shift. N(1, 0.5) with random signs at the input had the best mean
+    rank of the recalibrated NLL in distribution and under shift across three
+    tasks (MNIST-1D, scikit-learn's digits, a tabular task), chosen leaving
+    each task out in turn (``docs/training.md`` has the tables); it is
+    uncertainty-baselines' too. From a pretrained model, fine-tuning uses
+    0.3 (``docs/converting.md``).
 
     >>> import jax
     >>> from ensembles import initializers

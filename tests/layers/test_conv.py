@@ -429,9 +429,9 @@ class TestParameters:
         )
         np.testing.assert_array_equal(layer.bias[...], 0.0)
         for fast in (layer.r[...], layer.s[...]):
-            # The default N(1, 0.75), within 4 standard errors of the draw.
+            # The default N(1, 0.5), within 4 standard errors of the draw.
             assert abs(float(fast.mean()) - 1.0) < 4 * 0.6 / fast.size**0.5
-            assert abs(float(fast.std()) - 0.75) < 4 * 0.75 / (2 * fast.size) ** 0.5
+            assert abs(float(fast.std()) - 0.5) < 4 * 0.5 / (2 * fast.size) ** 0.5
         # nnx.Conv's default: lecun_normal, variance 1 / fan_in (3*3*40).
         assert abs(float(layer.kernel[...].var()) * 360 - 1.0) < 0.1
         assert layer.kernel.get_metadata()["tag"] == "k"

@@ -210,10 +210,10 @@ def test_default_kernel_init_is_flax_flattened_lecun_normal():
     )
     assert abs(float(np.var(layer.kernel[...])) * 200 - 1.0) < 0.1
     np.testing.assert_array_equal(layer.bias[...], 0.0)
-    # The default fast weights N(1, 0.75), within 4 standard errors.
+    # The default fast weights N(1, 0.5), within 4 standard errors.
     r, s = layer.r[...], layer.s[...]
     assert abs(float(np.mean(r)) - 1.0) < 4 * 0.6 / r.size**0.5
-    assert abs(float(np.std(s)) - 0.75) < 4 * 0.75 / (2 * s.size) ** 0.5
+    assert abs(float(np.std(s)) - 0.5) < 4 * 0.5 / (2 * s.size) ** 0.5
 
 
 def test_bf16_layer_returns_bf16_with_f32_params():

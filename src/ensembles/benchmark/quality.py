@@ -106,9 +106,6 @@ def split_validation(
     >>> train, x_valid, y_valid = split_validation(data)
     >>> train.x_train.shape, x_valid.shape          # half: fewer than 600
     ((50, 40), (50, 40))
-    >>> train, x_valid, _ = split_validation(load_quality_data())
-    >>> train.x_train.shape, x_valid.shape
-    ((7200, 40), (800, 40))
 
     Args:
       data: the task's data.

@@ -111,7 +111,8 @@ DROPOUT_RATE: float = 0.1
 #: ``finetuned`` fine-tunes for this share of the steps the others train.
 FINETUNE_FRACTION: float = 0.25
 
-#: ``finetuned``'s fast weights start from N(1, this**2) (from scratch: 0.75).
+#: ``finetuned``'s fast weights start from N(1, this**2) (from scratch: 0.5,
+#: with random signs at the input).
 FINETUNE_INIT_STDDEV: float = 0.3
 
 

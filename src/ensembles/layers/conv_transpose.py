@@ -90,8 +90,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
       kernel_init: initializer for the shared ``[*kernel_size, in, out]``
         kernel (``[*kernel_size, out, in]`` with ``transpose_kernel=True``).
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
-      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.75)).
-      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.75)).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.5)).
       transpose_kernel: if True, flip the kernel's spatial axes and swap its
         channel axes, as ``jax.lax.conv_transpose`` does.
       promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
@@ -272,8 +272,8 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights (and, with a posterior, the
             stream of its draws: see the class).
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself.
           impl: the op implementation.

@@ -95,9 +95,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
       kernel_init: initializer for the shared kernel (default: LeCun normal).
       bias_init: initializer for the ``[E, *bias_shape]`` bias (default: zeros).
       r_init: initializer for the ``[E, *contracted dims]`` fast weights
-        (default: N(1, 0.75)).
+        (default: N(1, 0.5)).
       s_init: initializer for the ``[E, *kept dims]`` fast weights (default:
-        N(1, 0.75)).
+        N(1, 0.5)).
       promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
@@ -253,8 +253,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights (and, with a posterior, the
             stream of its draws: see the class).
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.

@@ -81,8 +81,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       kernel_init: initializer for the shared ``[in, out]`` kernel (default:
         ``nnx.Linear``'s, LeCun normal).
       bias_init: initializer for the ``[E, out]`` bias (default: zeros).
-      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.75)).
-      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.75)).
+      r_init: initializer for the ``[E, in]`` fast weights (default: N(1, 0.5)).
+      s_init: initializer for the ``[E, out]`` fast weights (default: N(1, 0.5)).
       promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
         kernel, bias)`` with a ``dtype`` keyword, as the Flax layer calls it;
         ``r`` and ``s`` are then cast to the kernel's dtype (default: Flax's).
@@ -236,8 +236,8 @@ class BatchEnsembleLinear(BatchEnsembleModule):
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights (and, with a posterior, the
             stream of its draws: see the class).
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
           share_kernel: if True, the new layer holds ``linear``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.

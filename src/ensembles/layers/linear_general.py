@@ -129,9 +129,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       bias_init: initializer for the per-member bias, called with the shape
         ``[E, prod(batch_shape + out_features)]`` (default: zeros).
       r_init: initializer for the ``[E, *in_features]`` fast weights
-        (default: N(1, 0.75)).
+        (default: N(1, 0.5)).
       s_init: initializer for the ``[E, *out_features]`` fast weights
-        (default: N(1, 0.75)).
+        (default: N(1, 0.5)).
       precision: numerical precision of the contraction, see
         ``jax.lax.Precision``.
       promote_dtype: Flax's ``promote_dtype`` contract: called on ``(inputs,
@@ -319,8 +319,8 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
           num_members: the ensemble size E.
           rngs: rng keys for the fast weights (and, with a posterior, the
             stream of its draws: see the class).
-          r_init: initializer for ``r`` (default: N(1, 0.75)).
-          s_init: initializer for ``s`` (default: N(1, 0.75)).
+          r_init: initializer for ``r`` (default: N(1, 0.5)).
+          s_init: initializer for ``s`` (default: N(1, 0.5)).
           share_kernel: if True, the new layer holds ``layer``'s kernel
             ``Param`` itself, so updates to one are seen by the other.
           impl: the op implementation.

@@ -22,6 +22,13 @@ from typing import Any, TextIO
 import jax
 
 import ensembles
+from ensembles.benchmark.arguments import (
+    choice_list,
+    int_list,
+    name_list,
+    positive_int,
+    shape,
+)
 from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import (
     DEFAULT_IMAGE_SIZE,
@@ -86,66 +93,6 @@ _QUALITY_ONLY = ("seeds", "steps", "task")
 _EXTRA_HINT = "pip install 'ensembles[bench]'"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 1, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    parts = [part.strip() for part in text.split(",")]
-    try:
-        values = tuple(int(part) for part in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be a comma-separated list of integers >= 1 such as 1,2,4,8; "
-            f"got {text!r}"
-        ) from None
-    bad = [value for value in values if value < 1]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"every ensemble size E must be >= 1; got {text!r}"
-        )
-    return tuple(dict.fromkeys(values))
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part.strip()) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be one example's shape, comma-separated integers >= 1 such as "
-            f"32,32,3; got {text!r}"
-        )
-    return values
-
-
-def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
-
-
-def _choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        values = tuple(part.strip() for part in text.split(","))
-        unknown = [value for value in values if value not in choices]
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(map(repr, unknown))}; choose from "
-                f"{', '.join(choices)} (comma-separated for several)"
-            )
-        return tuple(dict.fromkeys(values))
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``ensembles-bench`` argument parser.
 
@@ -208,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model",
-        type=_name_list,
+        type=name_list,
         default=None,
         help=f"{'|'.join(MODELS)} or a comma-separated list (default: mlp; "
         f"--quality: {','.join(QUALITY_MODELS)} of MNIST-1D, --quick: cnn); an "
@@ -219,27 +166,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mode",
-        type=_choice_list(MODES),
+        type=choice_list(MODES),
         default=None,
         help="forward (inference) and/or train (forward + backward + adam "
         "update), comma-separated (default: forward,train)",
     )
     parser.add_argument(
         "--members",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="ensemble sizes E, comma-separated (default: 1,2,4,8; --quick: 1,4; "
         "--quality: 4)",
     )
     parser.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="samples per member B; every method sees E*B (default: 128)",
     )
     parser.add_argument(
         "--width",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="features of the linear layer and of the MLP's hidden layers, base "
         "channels of the CNN (default: "
@@ -248,13 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--image-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"height and width of the CNN's images (default: {DEFAULT_IMAGE_SIZE})",
     )
     parser.add_argument(
         "--input-shape",
-        type=_shape,
+        type=shape,
         default=None,
         help="one example's shape for a --model package.module:factory, "
         "comma-separated, e.g. 32,32,3 for images",
@@ -269,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="timed rounds per method; the median and quartiles are reported "
         "(default: 10; --quick: 5)",
@@ -283,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seeds",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="--quality: how many seeds (--seed, --seed + 1, ...) to train and "
         "average (default: 3; --quick: 1)",
     )
     parser.add_argument(
         "--steps",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="--quality: training steps of every method (default: per task, "
         + ", ".join(f"{t} {n}" for t, n in TASK_STEPS.items())
@@ -298,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--task",
-        type=_choice_list(tuple(TASKS)),
+        type=choice_list(tuple(TASKS)),
         default=None,
         help="--quality: the data, comma-separated: "
         + ", ".join(TASKS)

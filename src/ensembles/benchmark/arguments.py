@@ -1,0 +1,104 @@
+"""The command line's argument types: each parses one option's text or says why not.
+
+Used by :mod:`ensembles.benchmark.cli` (``type=`` of its options); each raises
+``argparse.ArgumentTypeError`` with the fix, which argparse prints with the
+option's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+__all__ = ["choice_list", "int_list", "name_list", "positive_int", "shape"]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1.
+
+    >>> from ensembles.benchmark.arguments import positive_int
+    >>> positive_int("3")
+    3
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 1, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 1, duplicates dropped (ensemble sizes).
+
+    >>> from ensembles.benchmark.arguments import int_list
+    >>> int_list("1,4,4,8")
+    (1, 4, 8)
+    """
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        values = tuple(int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a comma-separated list of integers >= 1 such as 1,2,4,8; "
+            f"got {text!r}"
+        ) from None
+    bad = [value for value in values if value < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"every ensemble size E must be >= 1; got {text!r}"
+        )
+    return tuple(dict.fromkeys(values))
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """One example's shape: comma-separated integers >= 1.
+
+    >>> from ensembles.benchmark.arguments import shape
+    >>> shape("32,32,3")
+    (32, 32, 3)
+    """
+    try:
+        values = tuple(int(part.strip()) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be one example's shape, comma-separated integers >= 1 such as "
+            f"32,32,3; got {text!r}"
+        )
+    return values
+
+
+def name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names, duplicates dropped.
+
+    >>> from ensembles.benchmark.arguments import name_list
+    >>> name_list("mlp, cnn,mlp")
+    ('mlp', 'cnn')
+    """
+    return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    """A parser of comma-separated names from ``choices``.
+
+    >>> from ensembles.benchmark.arguments import choice_list
+    >>> choice_list(("forward", "train"))("train")
+    ('train',)
+    """
+
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(part.strip() for part in text.split(","))
+        unknown = [value for value in values if value not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))}; choose from "
+                f"{', '.join(choices)} (comma-separated for several)"
+            )
+        return tuple(dict.fromkeys(values))
+
+    return parse

@@ -329,3 +329,27 @@ def check_labels(labels: Any, num_classes: int, hint: str = "") -> jax.Array:
     # exist only with x64 (kept int64); a traced uint32 label >= 2**31 turns
     # negative, out of range, and the callers give NaN for it.
     return jnp.asarray(values if values is not None else labels).astype(wide)
+
+
+def check_norm_mask(mask: Any, x: Any) -> Any:
+    """Checks a norm's ``mask``: boolean, broadcasting to the inputs ``x``."""
+    if mask is None:
+        return None
+    mask = as_array(mask, "mask")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(
+            f"`mask` must be a boolean array (True: the entry counts in the "
+            f"statistics), got dtype {mask.dtype}: pass `mask.astype(bool)`."
+        )
+    shape = tuple(jnp.shape(x))
+    try:
+        broadcast = jnp.broadcast_shapes(tuple(mask.shape), shape)
+    except ValueError:
+        broadcast = None
+    if broadcast != shape:
+        raise ValueError(
+            f"`mask` must broadcast to the shape of `x` {shape}, got shape "
+            f"{tuple(mask.shape)}: give it one entry per input entry (or size-1 "
+            f"axes to broadcast)."
+        )
+    return mask

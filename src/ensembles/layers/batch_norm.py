@@ -25,6 +25,7 @@ from flax.typing import Dtype, Initializer, PromoteDtypeFn
 from ensembles._checks import (
     as_array,
     check_bool,
+    check_norm_mask,
     check_num_members,
     check_positive_int,
 )
@@ -34,14 +35,14 @@ from ensembles.layers.base import (
     check_member_index,
     plain_layer,
 )
-from ensembles.layers.normalization import (
-    check_mask,
+from ensembles.layers.normalization import default_bias_init, default_scale_init
+from ensembles.layers.parameters import (
     check_norm_initializers,
-    default_bias_init,
-    default_scale_init,
+    drawing_from,
+    member_copies,
+    member_slice,
     norm_param,
 )
-from ensembles.layers.parameters import drawing_from, member_copies, member_slice
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.normalization import ensemble_batch_norm, ensemble_batch_statistics
 
@@ -342,7 +343,7 @@ class EnsembleBatchNorm(EnsembleModule):
         )
         use_running_average = check_bool(use_running_average, "use_running_average")
         x = as_array(x, "x")
-        mask = check_mask(mask, x)
+        mask = check_norm_mask(mask, x)
         if not use_running_average and jnp.size(x) == 0:
             raise ValueError(
                 f"`x` has shape {tuple(jnp.shape(x))}: an empty batch has no "

@@ -23,7 +23,7 @@ from flax.typing import Axes, Dtype, Initializer, PromoteDtypeFn
 from ensembles._checks import (
     as_array,
     check_bool,
-    check_initializer,
+    check_norm_mask,
     check_num_members,
     check_positive_int,
 )
@@ -34,10 +34,11 @@ from ensembles.layers.base import (
     plain_layer,
 )
 from ensembles.layers.parameters import (
+    check_norm_initializers,
     drawing_from,
     member_copies,
     member_slice,
-    new_param,
+    norm_param,
 )
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.normalization import ensemble_layer_norm, ensemble_rms_norm
@@ -46,59 +47,6 @@ __all__ = ["EnsembleLayerNorm", "EnsembleRMSNorm"]
 
 default_bias_init = initializers.zeros_init()
 default_scale_init = initializers.ones_init()
-
-
-def check_mask(mask: Any, x: Any) -> Any:
-    """Checks that ``mask`` is boolean and broadcasts to the inputs ``x``."""
-    if mask is None:
-        return None
-    mask = as_array(mask, "mask")
-    if mask.dtype != jnp.bool_:
-        raise TypeError(
-            f"`mask` must be a boolean array (True: the entry counts in the "
-            f"statistics), got dtype {mask.dtype}: pass `mask.astype(bool)`."
-        )
-    shape = tuple(jnp.shape(x))
-    try:
-        broadcast = jnp.broadcast_shapes(tuple(mask.shape), shape)
-    except ValueError:
-        broadcast = None
-    if broadcast != shape:
-        raise ValueError(
-            f"`mask` must broadcast to the shape of `x` {shape}, got shape "
-            f"{tuple(mask.shape)}: give it one entry per input entry (or size-1 "
-            f"axes to broadcast)."
-        )
-    return mask
-
-
-def check_norm_initializers(
-    use_scale: bool, scale_init: Any, use_bias: bool, bias_init: Any
-) -> None:
-    """Checks the initializers a norm will call, before it draws anything.
-
-    ``from_*`` passes ``None`` for a parameter the pretrained norm lacks, as
-    Flax allows an unused initializer to be anything.
-    """
-    if use_scale:
-        check_initializer(scale_init, "scale_init")
-    if use_bias:
-        check_initializer(bias_init, "bias_init")
-
-
-def norm_param(
-    used: bool,
-    init: Initializer,
-    rngs: nnx.Rngs,
-    shape: tuple[int, int],
-    dtype: Dtype,
-    metadata: Mapping[str, Any],
-    name: str,
-) -> nnx.Param | None:
-    """A norm's ``[E, features]`` ``name`` (:func:`new_param`) or ``nnx.data(None)``."""
-    if not used:
-        return nnx.data(None)
-    return new_param(nnx.Param, init, rngs, shape, dtype, metadata, f"{name}_init")
 
 
 def _sample_norm(
@@ -110,7 +58,7 @@ def _sample_norm(
 ) -> jax.Array:
     """Calls ``op`` as ``norm`` does, on ``x`` and ``params`` (in ``op``'s order)."""
     x = as_array(x, "x")
-    mask = check_mask(mask, x)
+    mask = check_norm_mask(mask, x)
     size, arrays = norm._member_operands(*(v if v is None else v[...] for v in params))
     x, *arrays = norm.promote_dtype((x, *arrays), dtype=norm.dtype)
     return op(

@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
+from flax.typing import Dtype, Initializer
 
 from ensembles import initializers as fast_initializers
 from ensembles._checks import check_initializer
 from ensembles.layers.sharding import member_axis_metadata, without_member_axis_metadata
 
 __all__ = [
+    "check_norm_initializers",
     "check_rngs",
     "check_weight_initializers",
     "copy_of",
@@ -44,6 +46,7 @@ __all__ = [
     "member_copies",
     "member_slice",
     "new_param",
+    "norm_param",
 ]
 
 #: The defaults of every BatchEnsemble weight layer: Flax's for the kernel and
@@ -234,3 +237,32 @@ def flat_copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
         return jnp.reshape(value, tuple(shape))
 
     return init
+
+
+def check_norm_initializers(
+    use_scale: bool, scale_init: Any, use_bias: bool, bias_init: Any
+) -> None:
+    """Checks the initializers a norm will call, before it draws anything.
+
+    ``from_*`` passes ``None`` for a parameter the pretrained norm lacks, as
+    Flax allows an unused initializer to be anything.
+    """
+    if use_scale:
+        check_initializer(scale_init, "scale_init")
+    if use_bias:
+        check_initializer(bias_init, "bias_init")
+
+
+def norm_param(
+    used: bool,
+    init: Initializer,
+    rngs: nnx.Rngs,
+    shape: tuple[int, int],
+    dtype: Dtype,
+    metadata: Mapping[str, Any],
+    name: str,
+) -> nnx.Param | None:
+    """A norm's ``[E, features]`` ``name`` (:func:`new_param`) or ``nnx.data(None)``."""
+    if not used:
+        return nnx.data(None)
+    return new_param(nnx.Param, init, rngs, shape, dtype, metadata, f"{name}_init")

@@ -25,7 +25,10 @@ draws, then (with those) the posterior's initial scale and the KL annealing::
         --posts 0.0316,0.1 --kls 0.2,0.8 --json r1_posterior.json
 
 (what was run for the defaults of 2026-11-25; each stage about 1-2 hours on
-the 2-core CPU, docs/training.md has the tables).
+the 2-core CPU, docs/training.md has the tables). The rank-1 defaults still
+come from stage ``rank1``; BatchEnsemble's fast-weight init was re-chosen on
+2026-11-26 on recalibrated figures by ``benchmarks/diversity_study.py``,
+which supersedes stage ``be``.
 """
 
 import argparse

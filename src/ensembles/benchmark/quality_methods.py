@@ -203,8 +203,8 @@ def train_method(
     The arguments from ``fast_weight_init`` to ``eval_draws``,
     ``first_layer_init`` and ``diversity`` vary ``batchensemble``'s and
     ``rank1``'s recipes (the benchmark keeps their defaults;
-    ``benchmarks/quality_recipe.py``, ``benchmarks/quality_defaults.py`` and
-    ``benchmarks/diversity_study.py`` measure them). A name of
+    ``benchmarks/diversity_study.py``, ``benchmarks/quality_defaults.py`` and
+    ``benchmarks/finetune_recipe.py`` measure them). A name of
     ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
     and ``num_classes`` classes.
 

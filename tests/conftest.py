@@ -35,3 +35,64 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+# Parametrized sweeps the quick tier thins: it runs every `stride`-th case of
+# each (in collection order: the first, then every stride-th after it), the
+# slow tier every case, so the README's command stays under five minutes
+# while each sweep still runs a spread of its cases there. CI runs both.
+# {file under tests/: {test function: stride}}; tests/test_tiers.py checks
+# that every name here is a test.
+THINNED_SWEEPS = {
+    "layers/test_base.py": {
+        "test_a_member_view_takes_one_example_as_the_flax_layer_does": 3
+    },
+    "layers/test_conv.py": {"test_outputs_and_gradients_match_flax_per_member": 3},
+    "layers/test_einsum.py": {
+        "test_forward_matches_flax_einsum_per_member": 3,
+        "test_member_view_and_extracted_member_match_reference": 3,
+    },
+    "layers/test_linear.py": {"test_forward_matches_flax_linear_per_member": 3},
+    "layers/test_linear_general.py": {
+        "test_forward_matches_flax_linear_general_per_member": 3
+    },
+    "layers/test_normalization.py": {"test_per_sample_norms_match_flax_per_member": 3},
+    "ops/test_autodiff.py": {
+        "test_float64_gradients_are_float64_accurate": 3,
+        "test_jvp_and_linearize_float64": 3,
+    },
+    "ops/test_dense.py": {"test_gradients_match_per_member_loop": 3},
+    "ops/test_derivatives.py": {
+        "test_conv_every_differentiated_subset": 3,
+        "test_conv_shapes_options_members_jit": 3,
+        "test_dense_every_differentiated_subset": 3,
+        "test_dense_shapes_members_ragged_jit": 3,
+    },
+    "ops/test_einsum.py": {
+        "test_forward_matches_flax_einsum_per_member": 3,
+        "test_gradients_match_jax_grad_of_reference": 3,
+    },
+    "test_labels.py": {"test_metrics_of_every_integer_dtype": 3},
+    "test_rank1.py": {"test_eval_equals_a_batch_ensemble_holding_the_means": 3},
+    "test_uncertainty_metrics.py": {
+        "test_adaptive_ece_matches_array_split_bins": 3,
+        "test_mce_matches_explicit_bin_loop": 3,
+    },
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks
+def pytest_collection_modifyitems(config, items):
+    tests = config.rootpath / "tests"
+    seen: dict[tuple[str, str], int] = {}
+    for item in items:
+        if not item.path.is_relative_to(tests):
+            continue  # a doctest of src/
+        path = item.path.relative_to(tests).as_posix()
+        stride = THINNED_SWEEPS.get(path, {}).get(item.originalname)
+        if stride is None:
+            continue
+        key = (path, item.originalname)
+        index = seen[key] = seen.get(key, -1) + 1
+        if index % stride:
+            item.add_marker(pytest.mark.slow)

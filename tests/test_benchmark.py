@@ -228,6 +228,7 @@ def test_parameter_counts(model):
     assert counts["rank1"] == counts["batchensemble"] + scales
 
 
+@pytest.mark.slow
 def test_rank1_train_step_loss_is_cross_entropy_plus_kl_per_row():
     optax = pytest.importorskip("optax")
     prepared = prepare_method("rank1", "mlp", "train", **TINY)

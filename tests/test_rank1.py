@@ -340,7 +340,9 @@ def _explicit_forward(x, kernel, r, s, r_raw, s_raw, bias, key, num_members):
 
 
 class TestGradients:
-    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    @pytest.mark.parametrize(
+        "dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)]
+    )
     @pytest.mark.parametrize("jit", [False, True])
     def test_reverse_mode_equals_grad_of_the_explicit_formula(self, dtype, jit):
         layer = BatchEnsembleLinear(

@@ -136,6 +136,7 @@ def test_stacked_layers_keep_their_axis_names_and_member_norms():
     assert type(plain["layers"].layers[1]) is nnx.LayerNorm
 
 
+@pytest.mark.slow
 def test_rank1_stacked_layers_draw_per_layer_and_call():
     model, (x,) = _model("scan_mlp")
     converted = ensembles.to_batch_ensemble(
@@ -229,6 +230,7 @@ def test_summary_names_everything_that_stayed_shared():
     assert info.shared_params == total + kernels
 
 
+@pytest.mark.slow
 def test_member_norms_warn_about_norms_they_cannot_convert():
     decoder, _ = _model("decoder")
     with pytest.warns(UserWarning, match=r"left these norm-like modules shared") as w:

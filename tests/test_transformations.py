@@ -133,7 +133,17 @@ def _tangents(tree, seed=5):
     )
 
 
-@pytest.mark.parametrize("name", sorted(LAYERS))
+# The quick tier runs a dense and a transposed-convolution layer; the slow
+# tier every layer (the ops' own jvp tests run in the quick tier too).
+@pytest.mark.parametrize(
+    "name",
+    [
+        name
+        if name in ("linear", "conv_transpose")
+        else pytest.param(name, marks=pytest.mark.slow)
+        for name in sorted(LAYERS)
+    ],
+)
 def test_jvp_linearize_and_vjp(x64, name):
     layer_fn, reference_fn, params, x = _setup(name)
     tangents = _tangents((params, x))

@@ -299,7 +299,13 @@ def test_errors_ranked_last_give_the_least_area():
 
 @pytest.mark.parametrize(
     ("num_in", "num_out", "ties"),
-    [(1, 1, False), (7, 3, False), (50, 80, False), (40, 25, True), (9, 9, True)],
+    [
+        (1, 1, False),
+        (7, 3, False),
+        pytest.param(50, 80, False, marks=pytest.mark.slow),
+        pytest.param(40, 25, True, marks=pytest.mark.slow),
+        (9, 9, True),
+    ],
 )
 def test_aupr_and_fpr_at_tpr_match_sklearn(num_in, num_out, ties):
     rng = np.random.default_rng(num_in * 100 + num_out)

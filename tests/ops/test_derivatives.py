@@ -234,6 +234,7 @@ def test_dense_gradients_equal_jax_of_the_plain_formula(
             assert error <= rtol * 4 * scale, (argnums, NAMES[i], error / scale)
 
 
+@pytest.mark.slow  # forward mode also in tests/ops/test_autodiff.py's quick tier
 def test_dense_forward_mode_equals_the_plain_formula(x64):
     args = make_args(2, 3, 4, (), 6, 5, jnp.float64)
     tangents = make_args(3, 3, 4, (), 6, 5, jnp.float64)
@@ -445,7 +446,11 @@ def test_conv_shapes_options_members_jit(name, needs):
 
 @pytest.mark.parametrize(
     "case",
-    [one_d(num_members=1), Case(num_members=5), one_d(groups=2, in_features=4)],
+    [
+        one_d(num_members=1),
+        pytest.param(Case(num_members=5), marks=pytest.mark.slow),
+        one_d(groups=2, in_features=4),
+    ],
     ids=["1d_E1", "2d_E5", "1d_grouped"],
 )
 def test_conv_eager(case):

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -145,8 +146,16 @@ def split_validation(
     return kept, x_train[valid], y_train[valid]
 
 
+@jax.jit
+def _metric_values(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    # One compiled program per set's shape instead of every metric's ops one
+    # by one (labels were checked when the data were built).
+    return {name: getattr(uncertainty, name)(logits, labels) for name in METRICS}
+
+
 def _metrics(logits: jax.Array, labels: np.ndarray) -> dict[str, float]:
-    return {name: float(getattr(uncertainty, name)(logits, labels)) for name in METRICS}
+    values = _metric_values(logits, jnp.asarray(labels))
+    return {name: float(values[name]) for name in METRICS}
 
 
 def _ood(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> tuple:
@@ -351,27 +360,16 @@ def run_quality(
     :func:`~ensembles.benchmark.quality_report.format_quality` the tables
     (of rows or of a summary).
 
-    >>> from ensembles.benchmark.quality import run_quality
-    >>> from ensembles.benchmark.quality_data import load_quality_data
-    >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
-    >>> rows = run_quality(models=["mlp"], members=[2], steps=2, data=data,
-    ...                    methods=["single", "batchensemble"])
-    >>> [(row["method"], row["members"], row["seed"]) for row in rows]
-    [('single', 2, 0), ('batchensemble', 2, 0)]
-    >>> sorted(rows[1]["in_distribution"])
-    ['accuracy', 'aurc', 'brier', 'ece', 'nll']
-    >>> [level["severity"] for level in rows[1]["recalibrated"]["shift"]]
-    [1, 2, 3, 4, 5]
-    >>> rows[1]["temperature"] > 0, rows[1]["validation_examples"]  # half of 100
-    (True, 50)
-
-    Your own classifier and data: a factory ``rngs -> nnx.Module`` (rows are
-    named after it) and a :class:`QualityData` of your arrays, with whatever
-    severities and shift families they have:
+    Without ``data`` it runs the built-in MNIST-1D task
+    (:func:`~ensembles.benchmark.quality_data.load_quality_data`; ``models``
+    names from ``QUALITY_MODELS``). Your own classifier and data: a factory
+    ``rngs -> nnx.Module`` (rows are named after it) and a
+    :class:`QualityData` of your arrays, with whatever severities and shift
+    families they have:
 
     >>> import numpy as np
     >>> from flax import nnx
-    >>> from ensembles.benchmark import QualityData, format_quality
+    >>> from ensembles.benchmark import QualityData, format_quality, run_quality
     >>> rng = np.random.default_rng(0)
     >>> x = rng.standard_normal((200, 6)).astype(np.float32)
     >>> y = (x[:, 0] > 0).astype(np.int32)
@@ -384,8 +382,14 @@ def run_quality(
     ...                    methods=["single", "finetuned"])
     >>> [(row["model"], row["method"], row["steps"]) for row in rows]
     [('tiny', 'single', 4), ('tiny', 'finetuned', 1)]
-    >>> [level["severity"] for level in rows[0]["shift"]]
+    >>> [(row["members"], row["seed"]) for row in rows]
+    [(2, 0), (2, 0)]
+    >>> sorted(rows[0]["in_distribution"])
+    ['accuracy', 'aurc', 'brier', 'ece', 'nll']
+    >>> [level["severity"] for level in rows[0]["recalibrated"]["shift"]]
     [0.5, 1.0, 2.0]
+    >>> rows[0]["temperature"] > 0, rows[0]["validation_examples"]  # half of 150
+    (True, 75)
     >>> print(format_quality(rows))  # doctest: +ELLIPSIS
     tiny on ..., E=2, 1 seed...
 

@@ -86,12 +86,12 @@ THINNED_SWEEPS = {
         "test_cross_entropy_of_every_integer_dtype": 2,
         "test_metrics_of_every_integer_dtype": 3,
     },
+    "test_rank1.py": {"test_eval_equals_a_batch_ensemble_holding_the_means": 3},
     "test_sharding.py": {"test_row_formulation_matches_member_formulation": 2},
     "test_uncertainty.py": {
         "test_ece_matches_explicit_bin_loop": 2,
         "test_per_example_measures_match_numpy": 2,
     },
-    "test_rank1.py": {"test_eval_equals_a_batch_ensemble_holding_the_means": 3},
     "test_uncertainty_metrics.py": {
         "test_adaptive_ece_matches_array_split_bins": 3,
         "test_aurc_and_augrc_match_numpy": 2,

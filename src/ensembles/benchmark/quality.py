@@ -71,7 +71,6 @@ VALIDATION_FRACTION: float = 0.1
 #: ``temperature_at_bound``).
 MIN_VALIDATION: int = 300
 
-
 #: The temperatures :func:`evaluate` fits within (those of
 #: :func:`ensembles.uncertainty.fit_temperature`).
 TEMPERATURE_BOUNDS: tuple[float, float] = (0.05, 20.0)

@@ -106,7 +106,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     (2, {'mean': None, 'std': None})
 
     Args:
-      rows: from :func:`run_quality`.
+      rows: from :func:`~ensembles.benchmark.quality.run_quality`.
 
     Returns:
       One dict per (task, model, E, method), in first-seen order, with

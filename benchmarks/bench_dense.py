@@ -22,7 +22,12 @@ import pytest
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark.timing import interleaved_times, median, paired_ratio
+from ensembles.benchmark.timing import (
+    interleaved_times,
+    median,
+    paired_ratio,
+    reuse_freed_memory,
+)
 
 # (E, B, in, out)
 SHAPES = [
@@ -92,6 +97,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--impl", default="xla")
     args = parser.parse_args(argv)
+    # Before JAX runs anything: no page faults per step (docs/cost.md).
+    print(f"malloc keeps freed memory: {reuse_freed_memory()}")
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; "
         f"median of {args.repeats} interleaved rounds; ratio = BE / nnx.Linear"

@@ -23,7 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles.benchmark import interleaved_times, median, prepare_method
+from ensembles.benchmark import (
+    interleaved_times,
+    median,
+    prepare_method,
+    reuse_freed_memory,
+)
 from ensembles.benchmark.models import load_factory
 from ensembles.ops import conv, dense
 
@@ -86,6 +91,8 @@ def main(argv=None):
     parser.add_argument("--input-shape", default=None)
     parser.add_argument("--first-layer", default=None)
     args = parser.parse_args(argv)
+    # Before JAX runs anything: no page faults per step (docs/cost.md).
+    print(f"malloc keeps freed memory: {reuse_freed_memory()}")
     if args.first_layer:
         print(f"{'E x B x in x out':>20} {'per member':>11} {'jax':>6}")
         for spec in args.first_layer.split(","):

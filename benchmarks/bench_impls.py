@@ -24,7 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles.benchmark.timing import interleaved_times, median, paired_ratio
+from ensembles.benchmark.timing import (
+    interleaved_times,
+    median,
+    paired_ratio,
+    reuse_freed_memory,
+)
 from ensembles.experimental.pallas import fused_dense, mosaic_gpu
 from ensembles.ops import batch_ensemble_dense
 
@@ -136,6 +141,8 @@ def main(argv=None):
     )
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    # Before JAX runs anything: no page faults per step (docs/cost.md).
+    print(f"malloc keeps freed memory: {reuse_freed_memory()}")
     backend = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
     impls = ["xla"] + ([] if backend == "cpu" else ["pallas"])

@@ -58,8 +58,10 @@ from ensembles.benchmark.speed import run_benchmark
 from ensembles.benchmark.timing import (
     interleaved_times,
     median,
+    page_faults_per_call,
     paired_ratio,
     quartiles,
+    reuse_freed_memory,
 )
 
 __all__ = [
@@ -92,9 +94,11 @@ __all__ = [
     "main",
     "median",
     "model_inputs",
+    "page_faults_per_call",
     "paired_ratio",
     "prepare_method",
     "quartiles",
+    "reuse_freed_memory",
     "run_benchmark",
     "run_quality",
     "split_validation",

@@ -53,6 +53,7 @@ from ensembles.benchmark.report import (
     _write_plot,
 )
 from ensembles.benchmark.speed import run_benchmark
+from ensembles.benchmark.timing import reuse_freed_memory
 
 __all__ = ["build_parser", "main"]
 
@@ -65,6 +66,7 @@ DEFAULTS: dict[str, Any] = {
     "image_size": DEFAULT_IMAGE_SIZE,
     "impl": "xla",
     "repeats": 10,
+    "default_malloc": False,
 }
 QUICK: dict[str, Any] = {**DEFAULTS, "members": (1, 4), "repeats": 5}
 
@@ -87,6 +89,7 @@ _SPEED_ONLY = (
     "input_shape",
     "impl",
     "repeats",
+    "default_malloc",
 )
 _QUALITY_ONLY = ("seeds", "steps", "task")
 
@@ -220,6 +223,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="timed rounds per method; the median and quartiles are reported "
         "(default: 10; --quick: 5)",
+    )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        default=None,
+        help="time with the C library's allocator as it is (default: glibc's "
+        "malloc keeps freed memory, ensembles.benchmark.reuse_freed_memory; "
+        "else a step whose temporaries pass its mmap threshold page-faults on "
+        "every call)",
     )
     parser.add_argument(
         "--seed",
@@ -374,8 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     >>> from ensembles.benchmark import main
     >>> main(["--model", "linear", "--mode", "forward", "--members", "2",
-    ...       "--batch", "2", "--width", "4", "--repeats", "1", "--markdown"])
-    ensembles ... median of 1 interleaved rounds
+    ...       "--batch", "2", "--width", "4", "--repeats", "1", "--markdown",
+    ...       "--default-malloc"])
+    ensembles ... median of 1 interleaved rounds; the default malloc
     **linear forward: B=2 per member, width 4, impl=xla; ...**
     <BLANKLINE>
     | E | method | ms | spread | samples/s | x 1 on E*B | x 1 on B | vs deep | ...
@@ -395,13 +408,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse(argv)
     start = time.perf_counter()
+    # Before JAX runs anything (the device query starts its backend).
+    reused = not args.quality and not args.default_malloc and reuse_freed_memory()
     device = _describe_device()
     if args.quality:
         return _main_quality(args, device, start)
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
-        f"CPUs); median of {args.repeats} interleaved rounds",
+        f"CPUs); median of {args.repeats} interleaved rounds; "
+        + ("malloc keeps freed memory" if reused else "the default malloc"),
         flush=True,
     )
     rows = run_benchmark(

@@ -94,6 +94,28 @@ def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
     return title
 
 
+#: Page faults per step from which a method's row gets a note: about 4 MiB of
+#: fresh pages a step (a step that reuses its memory faults a few hundred
+#: times at most).
+FAULTS_NOTED: int = 1000
+
+
+def _faults_note(group: list[dict[str, Any]]) -> str:
+    """A line naming the methods whose steps page-faulted, or ``""``."""
+    faulted = [
+        f"{row['method']} (E={row['members']}) {row['page_faults_per_step']:,.0f}"
+        for row in group
+        if (row.get("page_faults_per_step") or 0) >= FAULTS_NOTED
+    ]
+    if not faulted:
+        return ""
+    return (
+        f"Page faults per step: {', '.join(faulted)}. These steps got fresh "
+        f"memory from the system on every call, and their times include it "
+        f"(ensembles.benchmark.reuse_freed_memory, docs/cost.md)."
+    )
+
+
 def render_table(
     header: Sequence[str], rows: Sequence[Sequence[str]], *, markdown: bool, left: int
 ) -> str:
@@ -148,7 +170,8 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
         table = render_table(
             _COLUMNS, [_cells(row) for row in group], markdown=False, left=1
         )
-        blocks.append(_title(key, group) + "\n" + table)
+        note = _faults_note(group)
+        blocks.append(_title(key, group) + "\n" + table + (note and "\n" + note))
     return "\n\n".join(blocks)
 
 
@@ -166,7 +189,10 @@ def _format_markdown(rows: list[dict[str, Any]]) -> str:
         table = render_table(
             _COLUMNS, [_cells(row) for row in group], markdown=True, left=1
         )
-        blocks.append(f"**{_title(key, group)}**\n\n" + table)
+        note = _faults_note(group)
+        blocks.append(
+            f"**{_title(key, group)}**\n\n" + table + (note and "\n\n" + note)
+        )
     return "\n\n".join(blocks)
 
 

@@ -11,7 +11,12 @@ from typing import Any
 
 from ensembles.benchmark.methods import METHODS, MODES, prepare_method
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model_name
-from ensembles.benchmark.timing import interleaved_times, median, quartiles
+from ensembles.benchmark.timing import (
+    interleaved_times,
+    median,
+    page_faults_per_call,
+    quartiles,
+)
 
 __all__ = ["run_benchmark"]
 
@@ -33,7 +38,12 @@ def run_benchmark(
     """Times every method for every model, mode and E; returns one row each.
 
     The six methods of one (model, mode, E) are compiled, then timed in
-    interleaved rounds (2 untimed warm-up calls each). Every ratio is a ratio
+    interleaved rounds (2 untimed warm-up calls each), then their page faults
+    counted over 3 more calls. On CPU, call
+    :func:`~ensembles.benchmark.reuse_freed_memory` first, before JAX runs
+    anything (``ensembles-bench`` does): else a step whose temporaries pass
+    glibc's mmap threshold page-faults on every call, and the times compare
+    allocators as much as models. Every ratio is a ratio
     of the printed medians; "the deep ensemble" of the ratios is the faster of
     ``deep_ensemble`` (vmap) and ``deep_ensemble_loop``.
 
@@ -86,7 +96,11 @@ def run_benchmark(
       ``total_bytes``), with the ratio of parameters to the faster deep
       ensemble's (both hold E models) and of memory to the vmapped deep
       ensemble's (``deep_ensemble``, all E models in one step as the other
-      methods run; the loop's memory is that of one of its E calls).
+      methods run; the loop's memory is that of one of its E calls), and
+      ``page_faults_per_step`` (:func:`~ensembles.benchmark.page_faults_per_call`
+      after the timed rounds; thousands mean each step got fresh memory from
+      the system, and its time includes that: see
+      :func:`~ensembles.benchmark.reuse_freed_memory`).
     """
     show = progress or (lambda message: None)
     rows: list[dict[str, Any]] = []
@@ -113,6 +127,9 @@ def run_benchmark(
         times = interleaved_times(
             {method: p.step for method, p in prepared.items()}, repeats
         )
+        faults = {
+            method: page_faults_per_call(p.step) for method, p in prepared.items()
+        }
         medians = {method: median(values) for method, values in times.items()}
         best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
         deep = prepared[best]
@@ -165,6 +182,7 @@ def run_benchmark(
                         p.memory.total_bytes
                         / prepared["deep_ensemble"].memory.total_bytes
                     ),
+                    "page_faults_per_step": faults[method],
                     "times_s": times[method],
                 }
             )

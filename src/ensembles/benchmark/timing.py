@@ -5,17 +5,112 @@ machine slows all methods of that round alike. ``ensembles-bench`` reports the
 median of each method and ratios of those medians, so every ratio it prints
 agrees with the times it prints; :func:`paired_ratio` (the median of per-round
 ratios, more robust to drift) is there for scripts that want it.
+
+On CPU the C library's allocator can be what is timed: XLA's runtime allocates
+a program's temporaries on every call and frees them after, and glibc's malloc
+hands a large request a fresh ``mmap`` and unmaps it when freed, so a program
+whose temporaries pass that size page-faults on every page of them on every
+call. :func:`reuse_freed_memory` turns that off (``ensembles-bench`` and the
+``benchmarks/`` scripts call it first) and :func:`page_faults_per_call` shows
+whether it took.
 """
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import jax
 
-__all__ = ["interleaved_times", "median", "paired_ratio", "quartiles"]
+__all__ = [
+    "interleaved_times",
+    "median",
+    "page_faults_per_call",
+    "paired_ratio",
+    "quartiles",
+    "reuse_freed_memory",
+]
+
+# glibc's mallopt parameters (malloc.h) and what reuse_freed_memory sets them to.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_KEEP_FREED = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30))
+
+
+def reuse_freed_memory() -> bool:
+    """Makes glibc's malloc keep freed memory for the next call; True where it did.
+
+    XLA's CPU runtime allocates a compiled program's temporaries on every call
+    and frees them after. glibc's malloc serves a request above its mmap
+    threshold (at most 32 MiB), or one a thread's own arena cannot hold (64
+    MiB), with a fresh ``mmap`` and unmaps it when it is freed: every call of
+    such a program then page-faults on every page of its temporaries. Which
+    programs cross the line depends on the model, E and B, so without this a
+    comparison partly times the allocator: on this project's 2-core machine a
+    small transformer's BatchEnsemble train step (E = 8, 99 MiB) page-faulted
+    about 24,700 times a step and took 62 ms, 44 ms without the faults
+    (``docs/cost.md``). This sets one arena, no ``mmap`` and a trim threshold
+    of 1 GiB, as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
+    MALLOC_TRIM_THRESHOLD_=1073741824`` in the environment of a new process
+    would: freed memory stays in the process for the next call.
+
+    It changes the allocator of the whole process, and memory once used is not
+    given back to the system until the process ends. Call it before JAX runs
+    anything: a thread that has allocated keeps its own arena, and its large
+    requests are mapped afresh whatever is set later. ``ensembles-bench`` (the
+    speed benchmark, unless ``--default-malloc``) and the ``benchmarks/``
+    scripts call it first.
+
+    >>> from ensembles.benchmark import reuse_freed_memory
+    >>> reuse_freed_memory() in (True, False)
+    True
+
+    Returns:
+      True if glibc accepted every setting; False, with nothing changed, where
+      the C library is not glibc (macOS, Windows, musl).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(mallopt(option, value) == 1 for option, value in _KEEP_FREED)
+
+
+def page_faults_per_call(fn: Callable[[], object], calls: int = 3) -> float | None:
+    """The page faults of one call of ``fn``, on average over ``calls`` calls.
+
+    Minor faults of the whole process (every thread) while ``fn`` runs, its
+    result waited for: a step that page-faults thousands of times gets fresh
+    memory from the system on every call (see :func:`reuse_freed_memory`).
+    Call ``fn`` once before, so compilation is not counted.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles.benchmark import page_faults_per_call
+    >>> x = jnp.ones((8, 8))
+    >>> faults = page_faults_per_call(lambda: x @ x)
+    >>> faults is None or faults >= 0
+    True
+
+    Args:
+      fn: a function of no arguments returning JAX arrays (a pytree).
+      calls: how many calls to average over.
+
+    Returns:
+      Faults per call, or ``None`` where the system does not count them (no
+      ``resource`` module: Windows).
+    """
+    try:
+        import resource
+    except ImportError:
+        return None
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        jax.block_until_ready(fn())
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def interleaved_times(

@@ -1,0 +1,131 @@
+"""The benchmark's allocator setting and page-fault counts (``docs/cost.md``)."""
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from ensembles.benchmark import (
+    cli,
+    main,
+    page_faults_per_call,
+    report,
+    reuse_freed_memory,
+    run_benchmark,
+)
+from ensembles.benchmark import timing as timing_module
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# One call of a jitted program with a 64 MiB temporary (sin(x), the matmul's
+# operand), its page faults counted after three warm-up calls, in a fresh
+# process that first reuses freed memory (argv[1] == "reuse") or not.
+_SCRIPT = """
+import sys
+from ensembles.benchmark import page_faults_per_call, reuse_freed_memory
+reused = reuse_freed_memory() if sys.argv[1] == "reuse" else None
+import jax, jax.numpy as jnp
+x, w = jnp.ones((8192, 2048)), jnp.ones((2048, 8))
+f = jax.jit(lambda x, w: jnp.sin(x) @ w)
+temp = f.lower(x, w).compile().memory_analysis().temp_size_in_bytes
+for _ in range(3):
+    f(x, w).block_until_ready()
+print(reused, temp, page_faults_per_call(lambda: f(x, w), calls=5))
+"""
+
+
+def _faults_in_a_fresh_process(mode):
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    reused, temp, faults = done.stdout.split()
+    return reused, int(temp), float(faults)
+
+
+@pytest.mark.slow  # two fresh processes
+@pytest.mark.skipif(not GLIBC, reason="the setting is glibc's; elsewhere it is off")
+def test_reused_memory_stops_the_page_faults_of_every_step():
+    reused, temp, faults = _faults_in_a_fresh_process("default")
+    assert reused == "None" and temp >= 64 * 2**20
+    # By default glibc maps the temporary afresh on every call: a fault a page.
+    assert faults >= 0.9 * temp / 4096
+    reused, temp, faults = _faults_in_a_fresh_process("reuse")
+    assert reused == "True" and temp >= 64 * 2**20
+    assert faults < 0.02 * temp / 4096
+
+
+def test_reuse_freed_memory_is_off_where_the_c_library_is_not_glibc(monkeypatch):
+    monkeypatch.setattr(timing_module.platform, "libc_ver", lambda: ("", ""))
+    monkeypatch.setattr(
+        timing_module.ctypes, "CDLL", lambda *a: pytest.fail("malloc was changed")
+    )
+    assert reuse_freed_memory() is False
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="Windows counts no page faults")
+def test_page_faults_per_call_counts_fresh_memory():
+    import mmap
+
+    import numpy as np
+
+    pages = 4096
+
+    def touch_fresh_pages():  # a new mapping: its first touch of a page faults
+        with mmap.mmap(-1, pages * mmap.PAGESIZE) as fresh:
+            np.frombuffer(fresh, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
+
+    assert page_faults_per_call(touch_fresh_pages, calls=3) >= pages
+    assert page_faults_per_call(lambda: np.zeros(1), calls=3) < pages / 16
+
+
+def _rows(faults):
+    rows = run_benchmark(
+        models=["linear"], modes=["forward"], members=[2], batch=2, width=4, repeats=2
+    )
+    for row in rows:
+        assert row["page_faults_per_step"] is None or row["page_faults_per_step"] >= 0
+        row["page_faults_per_step"] = faults.get(row["method"], 0.0)
+    return rows
+
+
+def test_the_table_names_the_steps_that_page_faulted():
+    rows = _rows({"batchensemble": 24_671.5, "single": 999.0})
+    for text, gap in (
+        (report._format_table(rows), "\n"),
+        (report._format_markdown(rows), "\n\n"),
+    ):
+        note = text.split("|")[-1] if gap == "\n\n" else text.splitlines()[-1]
+        assert "Page faults per step: batchensemble (E=2) 24,672." in note
+        assert "single" not in note  # under FAULTS_NOTED
+        assert gap + "Page faults per step" in text  # Markdown: its own paragraph
+    quiet = _rows({})
+    assert "Page faults" not in report._format_table(quiet)
+    assert "Page faults" not in report._format_markdown(quiet)
+
+
+@pytest.mark.parametrize("argv, reused", [([], True), (["--default-malloc"], False)])
+def test_the_command_reuses_freed_memory_unless_asked_not_to(
+    capsys, monkeypatch, argv, reused
+):
+    calls = []
+    monkeypatch.setattr(cli, "reuse_freed_memory", lambda: calls.append(1) or True)
+    tiny = ["--model", "linear", "--mode", "forward", "--members", "2", "--batch", "2"]
+    assert main([*tiny, "--width", "4", "--repeats", "1", *argv]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert calls == ([1] if reused else [])
+    assert header.endswith(
+        "malloc keeps freed memory" if reused else "the default malloc"
+    )
+    assert cli._parse(argv).default_malloc is (not reused)
+
+
+def test_default_malloc_is_an_option_of_the_speed_benchmark(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(["--quality", "--default-malloc"])
+    assert raised.value.code == 2
+    assert "--default-malloc applies only without --quality" in capsys.readouterr().err

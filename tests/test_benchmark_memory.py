@@ -18,20 +18,20 @@ from ensembles.benchmark import timing as timing_module
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-# One call of a jitted program with a 64 MiB temporary (sin(x), the matmul's
-# operand), its page faults counted after three warm-up calls, in a fresh
-# process that first reuses freed memory (argv[1] == "reuse") or not.
+# A jitted program with a 64 MiB temporary (sin(x), the matmul's operand),
+# timed 15 rounds after 5 warm-up calls in a fresh process that first reuses
+# freed memory (argv[1] == "reuse") or not; the median faults of a call.
 _SCRIPT = """
-import sys
-from ensembles.benchmark import page_faults_per_call, reuse_freed_memory
+import statistics, sys
+from ensembles.benchmark import interleaved_times, reuse_freed_memory
 reused = reuse_freed_memory() if sys.argv[1] == "reuse" else None
 import jax, jax.numpy as jnp
 x, w = jnp.ones((8192, 2048)), jnp.ones((2048, 8))
 f = jax.jit(lambda x, w: jnp.sin(x) @ w)
 temp = f.lower(x, w).compile().memory_analysis().temp_size_in_bytes
-for _ in range(3):
-    f(x, w).block_until_ready()
-print(reused, temp, page_faults_per_call(lambda: f(x, w), calls=5))
+faults = {}
+interleaved_times({"f": lambda: f(x, w)}, 15, warmup=5, page_faults=faults)
+print(reused, temp, statistics.median(faults["f"]))
 """
 
 

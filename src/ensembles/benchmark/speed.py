@@ -14,7 +14,6 @@ from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model
 from ensembles.benchmark.timing import (
     interleaved_times,
     median,
-    page_faults_per_call,
     quartiles,
 )
 
@@ -38,8 +37,8 @@ def run_benchmark(
     """Times every method for every model, mode and E; returns one row each.
 
     The six methods of one (model, mode, E) are compiled, then timed in
-    interleaved rounds (2 untimed warm-up calls each), then their page faults
-    counted over 3 more calls. On CPU, call
+    interleaved rounds (2 untimed warm-up calls each), counting the process's
+    page faults during each timed call. On CPU, call
     :func:`~ensembles.benchmark.reuse_freed_memory` first, before JAX runs
     anything (``ensembles-bench`` does): else a step whose temporaries pass
     glibc's mmap threshold page-faults on every call, and the times compare
@@ -97,9 +96,9 @@ def run_benchmark(
       ensemble's (both hold E models) and of memory to the vmapped deep
       ensemble's (``deep_ensemble``, all E models in one step as the other
       methods run; the loop's memory is that of one of its E calls), and
-      ``page_faults_per_step`` (:func:`~ensembles.benchmark.page_faults_per_call`
-      after the timed rounds; thousands mean each step got fresh memory from
-      the system, and its time includes that: see
+      ``page_faults_per_step`` (the median over the timed calls, ``None``
+      where the system does not count them; thousands mean the step got fresh
+      memory from the system on most calls, and its time includes that: see
       :func:`~ensembles.benchmark.reuse_freed_memory`).
     """
     show = progress or (lambda message: None)
@@ -124,12 +123,12 @@ def run_benchmark(
                 seed=seed,
             )
         show(f"{where}: timing {repeats} rounds")
+        faults: dict[str, list[int]] = {}
         times = interleaved_times(
-            {method: p.step for method, p in prepared.items()}, repeats
+            {method: p.step for method, p in prepared.items()},
+            repeats,
+            page_faults=faults,
         )
-        faults = {
-            method: page_faults_per_call(p.step) for method, p in prepared.items()
-        }
         medians = {method: median(values) for method, values in times.items()}
         best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
         deep = prepared[best]
@@ -182,7 +181,9 @@ def run_benchmark(
                         p.memory.total_bytes
                         / prepared["deep_ensemble"].memory.total_bytes
                     ),
-                    "page_faults_per_step": faults[method],
+                    "page_faults_per_step": (
+                        median(faults[method]) if faults[method] else None
+                    ),
                     "times_s": times[method],
                 }
             )

@@ -54,7 +54,8 @@ def reuse_freed_memory() -> bool:
     (``docs/cost.md``). This sets one arena, no ``mmap`` and a trim threshold
     of 1 GiB, as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
     MALLOC_TRIM_THRESHOLD_=1073741824`` in the environment of a new process
-    would: freed memory stays in the process for the next call.
+    would: freed memory stays in the process for the next call (after the
+    first few calls of a program, while the heap grows to fit it).
 
     It changes the allocator of the whole process, and memory once used is not
     given back to the system until the process ends. Call it before JAX runs
@@ -80,13 +81,16 @@ def reuse_freed_memory() -> bool:
     return all(mallopt(option, value) == 1 for option, value in _KEEP_FREED)
 
 
-def page_faults_per_call(fn: Callable[[], object], calls: int = 3) -> float | None:
+def page_faults_per_call(
+    fn: Callable[[], object], calls: int = 3, warmup: int = 1
+) -> float | None:
     """The page faults of one call of ``fn``, on average over ``calls`` calls.
 
     Minor faults of the whole process (every thread) while ``fn`` runs, its
-    result waited for: a step that page-faults thousands of times gets fresh
-    memory from the system on every call (see :func:`reuse_freed_memory`).
-    Call ``fn`` once before, so compilation is not counted.
+    result waited for, after ``warmup`` uncounted calls (compilation, and a
+    first call that grows the heap after other programs ran): a step that
+    still page-faults thousands of times gets fresh memory from the system on
+    every call (see :func:`reuse_freed_memory`).
 
     >>> import jax.numpy as jnp
     >>> from ensembles.benchmark import page_faults_per_call
@@ -98,23 +102,25 @@ def page_faults_per_call(fn: Callable[[], object], calls: int = 3) -> float | No
     Args:
       fn: a function of no arguments returning JAX arrays (a pytree).
       calls: how many calls to average over.
+      warmup: calls before the counted ones.
 
     Returns:
       Faults per call, or ``None`` where the system does not count them (no
       ``resource`` module: Windows).
     """
-    try:
-        import resource
-    except ImportError:
-        return None
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    before = _minor_faults()
     for _ in range(calls):
         jax.block_until_ready(fn())
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+    return None if before is None else (_minor_faults() - before) / calls
 
 
 def interleaved_times(
-    fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 2,
+    page_faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
     """Runs each function in turn, ``repeats`` rounds, and returns its wall times.
 
@@ -125,14 +131,22 @@ def interleaved_times(
     >>> import jax.numpy as jnp
     >>> from ensembles.benchmark import interleaved_times
     >>> x = jnp.ones((8, 8))
-    >>> times = interleaved_times({"a": lambda: x @ x, "b": lambda: x + x}, 3)
+    >>> faults = {}
+    >>> times = interleaved_times({"a": lambda: x @ x, "b": lambda: x + x}, 3,
+    ...                           page_faults=faults)
     >>> sorted(times), len(times["a"]), min(times["b"]) > 0
     (['a', 'b'], 3, True)
+    >>> sorted(faults) == sorted(times) and len(faults["a"]) in (0, 3)
+    True
 
     Args:
       fns: name -> a function of no arguments returning JAX arrays (a pytree).
       repeats: the number of timed rounds.
       warmup: untimed calls of every function before the first round.
+      page_faults: if a dict, filled with name -> the minor page faults of the
+        process during each timed call (empty lists where the system does not
+        count them: Windows); thousands a call mean the step got fresh memory
+        from the system (see :func:`reuse_freed_memory`).
 
     Returns:
       name -> the ``repeats`` wall times in seconds, in round order.
@@ -141,12 +155,27 @@ def interleaved_times(
         for _ in range(warmup):
             jax.block_until_ready(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            before = _minor_faults()
             start = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
+            if before is not None:
+                faults[name].append(_minor_faults() - before)
+    if page_faults is not None:
+        page_faults.update(faults)
     return times
+
+
+def _minor_faults() -> int | None:
+    """The process's minor page faults so far (every thread), or ``None``."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def median(values: list[float]) -> float:

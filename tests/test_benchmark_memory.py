@@ -113,11 +113,18 @@ def test_the_command_reuses_freed_memory_unless_asked_not_to(
     capsys, monkeypatch, argv, reused
 ):
     calls = []
-    monkeypatch.setattr(cli, "reuse_freed_memory", lambda: calls.append(1) or True)
+
+    def record(name, fn):
+        return lambda *a, **k: calls.append(name) or fn(*a, **k)
+
+    monkeypatch.setattr(cli, "reuse_freed_memory", record("reuse", lambda: True))
+    for name in ("check_convertible", "_describe_device"):
+        monkeypatch.setattr(cli, name, record(name, getattr(cli, name)))
     tiny = ["--model", "linear", "--mode", "forward", "--members", "2", "--batch", "2"]
     assert main([*tiny, "--width", "4", "--repeats", "1", *argv]) == 0
     header = capsys.readouterr().out.splitlines()[0]
-    assert calls == ([1] if reused else [])
+    # Set before JAX runs anything: the model check and the device query do.
+    assert calls == ["reuse"] * reused + ["check_convertible", "_describe_device"]
     assert header.endswith(
         "malloc keeps freed memory" if reused else "the default malloc"
     )

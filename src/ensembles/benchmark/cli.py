@@ -354,14 +354,22 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             "--model package.module:factory needs --input-shape (one example's "
             "shape, e.g. 32,32,3): the benchmark draws random inputs"
         )
+    return args
+
+
+def _check_convertible(args: argparse.Namespace) -> None:
+    """Exits with a message if a model of the speed benchmark does not convert.
+
+    Apart from :func:`_parse` because it runs JAX (it converts a tiny model),
+    which must not happen before :func:`reuse_freed_memory`.
+    """
     for model in args.model:
         if not isinstance(model, str):
             continue  # a factory: converted when its rows run
         try:
             check_convertible(model, args.impl)
         except ValueError as error:
-            parser.error(f"--model {model} --impl {args.impl}: {error}")
-    return args
+            build_parser().error(f"--model {model} --impl {args.impl}: {error}")
 
 
 def _progress(stream: TextIO) -> Callable[[str], None]:
@@ -408,11 +416,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse(argv)
     start = time.perf_counter()
-    # Before JAX runs anything (the device query starts its backend).
-    reused = not args.quality and not args.default_malloc and reuse_freed_memory()
-    device = _describe_device()
     if args.quality:
-        return _main_quality(args, device, start)
+        return _main_quality(args, _describe_device(), start)
+    # Before JAX runs anything: the model check and the device query do.
+    reused = not args.default_malloc and reuse_freed_memory()
+    _check_convertible(args)
+    device = _describe_device()
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "

@@ -17,6 +17,15 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import jax
 import pytest
 
+from ensembles.benchmark import timing
+
+# The suite never changes its own process's allocator: ensembles-bench's main
+# and the benchmarks/ scripts call reuse_freed_memory(), which would give the
+# rest of a worker's tests one malloc arena (slower steps). Here it sets
+# nothing; what it does is tested in fresh processes
+# (tests/test_benchmark_memory.py).
+timing._KEEP_FREED = ()
+
 # Implicit rank promotion hides shape bugs (an [E, out] bias silently broadcast
 # against [E*B, out] outputs, say): make it an error everywhere in the tests.
 jax.config.update("jax_numpy_rank_promotion", "raise")

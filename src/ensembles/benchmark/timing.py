@@ -49,16 +49,21 @@ def reuse_freed_memory() -> bool:
     such a program then page-faults on every page of its temporaries. Which
     programs cross the line depends on the model, E and B, so without this a
     comparison partly times the allocator: on this project's 2-core machine a
-    small transformer's BatchEnsemble train step (E = 8, 99 MiB) page-faulted
-    about 24,700 times a step and took 62 ms, 44 ms without the faults
-    (``docs/cost.md``). This sets one arena, no ``mmap`` and a trim threshold
-    of 1 GiB, as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
+    small transformer's BatchEnsemble train step (E = 4, 47 MiB) page-faulted
+    11,600 times a step and took 1.67x one model's (which did not fault),
+    1.31x without the faults (``docs/cost.md``). This sets one arena, no
+    ``mmap`` and a trim threshold of 1 GiB, as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
     MALLOC_TRIM_THRESHOLD_=1073741824`` in the environment of a new process
     would: freed memory stays in the process for the next call (after the
     first few calls of a program, while the heap grows to fit it).
 
     It changes the allocator of the whole process, and memory once used is not
-    given back to the system until the process ends. Call it before JAX runs
+    given back to the system until the process ends. One arena has a price:
+    XLA's threads take turns in ``malloc``, which made every step slower
+    without page faults, about alike for every method (measured: 5-8% on the
+    MLP's train steps, 15-35% on the small transformer's, whose many small
+    kernels allocate more often); one arena is what keeps a thread's large
+    request (over 64 MiB, a CNN's) off a fresh ``mmap``. Call it before JAX runs
     anything: a thread that has allocated keeps its own arena, and its large
     requests are mapped afresh whatever is set later. ``ensembles-bench`` (the
     speed benchmark, unless ``--default-malloc``) and the ``benchmarks/``

@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time with the C library's allocator as it is (default: glibc's "
         "malloc keeps freed memory, ensembles.benchmark.reuse_freed_memory; "
         "else a step whose temporaries pass its mmap threshold page-faults on "
-        "every call)",
+        "every call; set before JAX runs, after only a --model factory's import)",
     )
     parser.add_argument(
         "--seed",
@@ -358,11 +358,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _check_convertible(args: argparse.Namespace) -> None:
-    """Exits with a message if a model of the speed benchmark does not convert.
-
-    Apart from :func:`_parse` because it runs JAX (it converts a tiny model),
-    which must not happen before :func:`reuse_freed_memory`.
-    """
+    """Exits with a message if a model does not convert (runs JAX: not in _parse)."""
     for model in args.model:
         if not isinstance(model, str):
             continue  # a factory: converted when its rows run
@@ -420,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_quality(args, _describe_device(), start)
     # Before JAX runs anything: the model check and the device query do.
     reused = not args.default_malloc and reuse_freed_memory()
+    args.malloc_keeps_freed_memory = reused  # in the JSON's config
     _check_convertible(args)
     device = _describe_device()
     print(

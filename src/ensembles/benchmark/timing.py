@@ -21,6 +21,7 @@ import ctypes
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -49,28 +50,34 @@ def reuse_freed_memory() -> bool:
     such a program then page-faults on every page of its temporaries. Which
     programs cross the line depends on the model, E and B, so without this a
     comparison partly times the allocator: on this project's 2-core machine a
-    small transformer's BatchEnsemble train step (E = 4, 47 MiB) page-faulted
-    11,600 times a step and took 1.67x one model's (which did not fault),
-    1.31x without the faults (``docs/cost.md``). This sets one arena, no
-    ``mmap`` and a trim threshold of 1 GiB, as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
-    MALLOC_TRIM_THRESHOLD_=1073741824`` in the environment of a new process
-    would: freed memory stays in the process for the next call (after the
-    first few calls of a program, while the heap grows to fit it).
+    small transformer's BatchEnsemble train step (E = 4, 45 MiB of
+    temporaries) page-faulted 11,600 times a step and took 1.67x one model's
+    (29 MiB, no faults), 1.31x without the faults (``docs/cost.md``). This
+    sets one arena, no ``mmap`` and a trim threshold of 1 GiB, as
+    ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824``
+    in the environment of a new process would: freed memory stays in the
+    process for the next call (after the first few calls of a program, while
+    the heap grows to fit it).
 
     It changes the allocator of the whole process, and memory once used is not
     given back to the system until the process ends. One arena has a price:
     XLA's threads take turns in ``malloc``, which made every step slower
-    without page faults, about alike for every method (measured: 5-8% on the
-    MLP's train steps, 15-35% on the small transformer's, whose many small
+    without page faults, about alike for every method (measured: 4-8% on the
+    MLP's train steps, 20-42% on the small transformer's, whose many small
     kernels allocate more often); one arena is what keeps a thread's large
-    request (over 64 MiB, a CNN's) off a fresh ``mmap``. Call it before JAX runs
-    anything: a thread that has allocated keeps its own arena, and its large
-    requests are mapped afresh whatever is set later. ``ensembles-bench`` (the
-    speed benchmark, unless ``--default-malloc``) and the ``benchmarks/``
-    scripts call it first.
+    request (over 64 MiB, a CNN's) off a fresh ``mmap``. On a GPU or TPU it
+    changes only the host's allocations. Call it first thing in a fresh
+    process, before JAX runs anything: a thread that has allocated keeps its
+    own arena, and its large requests are mapped afresh whatever is set later
+    (called after JAX has started, it warns). ``ensembles-bench`` (the speed
+    benchmark, unless ``--default-malloc``) and the ``benchmarks/`` scripts
+    call it first.
 
-    >>> from ensembles.benchmark import reuse_freed_memory
-    >>> reuse_freed_memory() in (True, False)
+    >>> import subprocess, sys
+    >>> first_thing = "import ensembles.benchmark as b; print(b.reuse_freed_memory())"
+    >>> done = subprocess.run([sys.executable, "-c", first_thing],
+    ...                       capture_output=True, text=True, check=True)
+    >>> done.stdout.strip() in ("True", "False")  # True on Linux with glibc
     True
 
     Returns:
@@ -83,7 +90,25 @@ def reuse_freed_memory() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return all(mallopt(option, value) == 1 for option, value in _KEEP_FREED)
+    if _jax_has_started():
+        warnings.warn(
+            "reuse_freed_memory() was called after JAX started: threads that "
+            "have allocated keep their own malloc arenas, and their large "
+            "requests are still mapped afresh (page faults). Call it first "
+            "thing, or start Python with MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 "
+            "MALLOC_TRIM_THRESHOLD_=1073741824.",
+            stacklevel=2,
+        )
+    accepted = [mallopt(option, value) == 1 for option, value in _KEEP_FREED]
+    return all(accepted)
+
+
+def _jax_has_started() -> bool:
+    """Whether JAX's backends (and their threads) exist in this process."""
+    from jax._src import xla_bridge  # no public query for it
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started and started())
 
 
 def page_faults_per_call(

@@ -120,6 +120,25 @@ def _rows(faults):
     return rows
 
 
+def test_a_rows_page_faults_are_the_median_of_its_timed_calls(monkeypatch):
+    from ensembles.benchmark import speed
+
+    counted = {}
+
+    def timed(fns, repeats, page_faults=None):
+        for index, name in enumerate(fns):  # method k: faults k, 10k, 100k, ...
+            counted[name] = [index * 10**round_ for round_ in range(repeats)]
+        page_faults.update(counted)
+        return {name: [1e-3] * repeats for name in fns}
+
+    monkeypatch.setattr(speed, "interleaved_times", timed)
+    rows = run_benchmark(
+        models=["linear"], modes=["forward"], members=[2], batch=2, width=4, repeats=3
+    )
+    for row in rows:
+        assert row["page_faults_per_step"] == sorted(counted[row["method"]])[1]
+
+
 def test_the_table_names_the_steps_that_page_faulted():
     rows = _rows({"batchensemble": 24_671.5, "single": 999.0})
     for text, gap in (

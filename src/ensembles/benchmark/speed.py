@@ -11,11 +11,7 @@ from typing import Any
 
 from ensembles.benchmark.methods import METHODS, MODES, prepare_method
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model_name
-from ensembles.benchmark.timing import (
-    interleaved_times,
-    median,
-    quartiles,
-)
+from ensembles.benchmark.timing import interleaved_times, median, quartiles
 
 __all__ = ["run_benchmark"]
 

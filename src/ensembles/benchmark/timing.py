@@ -185,17 +185,16 @@ def interleaved_times(
         for _ in range(warmup):
             jax.block_until_ready(fn())
     times: dict[str, list[float]] = {name: [] for name in fns}
-    faults: dict[str, list[int]] = {name: [] for name in fns}
+    if page_faults is not None:
+        page_faults.update({name: [] for name in fns})
     for _ in range(repeats):
         for name, fn in fns.items():
-            before = _minor_faults()
+            before = None if page_faults is None else _minor_faults()
             start = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - start)
             if before is not None:
-                faults[name].append(_minor_faults() - before)
-    if page_faults is not None:
-        page_faults.update(faults)
+                page_faults[name].append(_minor_faults() - before)
     return times
 
 

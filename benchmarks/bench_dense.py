@@ -50,15 +50,16 @@ def build(method, num_members, in_features, out_features, impl="xla"):
     return nnx.Linear(in_features, out_features, rngs=rngs)
 
 
-def compiled_step(module, mode):
+def compiled_step(module, mode, compiler_options=None):
     """A jitted function of (params, x) and the params it takes."""
     graphdef, params = nnx.split(module)
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
 
     def forward(params, x):
         return nnx.merge(graphdef, params)(x)
 
     if mode == "forward":
-        return jax.jit(forward), params
+        return jit(forward), params
 
     def loss(params, x):
         # A loss that needs the outputs, as a real one does: with jnp.sum(y) XLA
@@ -66,13 +67,13 @@ def compiled_step(module, mode):
         return 0.5 * jnp.sum(jnp.square(forward(params, x)))
 
     argnums = 0 if mode == "train" else (0, 1)
-    return jax.jit(jax.grad(loss, argnums=argnums)), params
+    return jit(jax.grad(loss, argnums=argnums)), params
 
 
-def case(method, mode, shape, impl="xla"):
+def case(method, mode, shape, impl="xla", compiler_options=None):
     num_members, batch, in_features, out_features = shape
     module = build(method, num_members, in_features, out_features, impl)
-    step, params = compiled_step(module, mode)
+    step, params = compiled_step(module, mode, compiler_options)
     x = jnp.asarray(
         np.random.default_rng(0).standard_normal((num_members * batch, in_features)),
         jnp.float32,

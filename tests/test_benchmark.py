@@ -651,3 +651,32 @@ def test_batchensemble_with_ones_equals_single_with_state(factory):
             "batchensemble", factory, mode, fast_weight_init=ones, **shape
         )
         assert_close(ensemble.step(), single.step())
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="an option of XLA's CPU backend alone"
+)
+def test_bench_ynn_fusion_times_each_layer_with_and_without_the_option(
+    monkeypatch, capsys
+):
+    from benchmarks import bench_ynn_fusion
+    from benchmarks.bench_dense import build, compiled_step
+
+    # What the script measures: by default the scalings and the bias are
+    # fusions of their own around the dot; with the option, one fusion in all.
+    layer = build("batchensemble", 2, 64, 64)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((128, 64)), jnp.float32)
+    for options, fusions in ((None, 3), (bench_ynn_fusion.YNN_ELTWISE, 1)):
+        step, params = compiled_step(layer, "forward", options)
+        hlo = step.lower(params, x).compile().as_text()
+        entry = hlo[hlo.index("ENTRY") :]
+        assert entry.count("fusion(") == fusions, entry
+        np.testing.assert_allclose(step(params, x), layer(x), rtol=1e-5, atol=1e-5)
+
+    monkeypatch.setattr(bench_ynn_fusion, "SHAPES", [(2, 4, 8, 8)])
+    bench_ynn_fusion.main(["--repeats", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [row[:2] for row in rows] == [
+        ["2x4x8x8", mode] for mode in ("forward", "train", "forward_backward")
+    ]
+    assert all(float(value) > 0 for row in rows for value in row[2:])

@@ -1,5 +1,7 @@
 """Whole-model conversion: ``to_batch_ensemble`` (convert.py)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,3 +310,47 @@ def test_member_norms_excluded_by_only_are_an_error_not_a_silent_no():
     )
     assert count(converted, ensembles.EnsembleLayerNorm) == 2
     assert count(converted, nnx.LinearGeneral) == 4
+
+
+class ScaledLinear(nnx.Linear):
+    """A user's subclass of a Flax layer: it computes something else."""
+
+    def __call__(self, x):
+        return 2.0 * super().__call__(x)
+
+
+class WithSubclass(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 8, rngs=rngs)
+        self.head = ScaledLinear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.body(x)))
+
+
+def test_a_subclass_of_a_flax_layer_stays_shared_and_is_named():
+    model = WithSubclass(nnx.Rngs(0))
+    ones = ensembles.initializers.ones()
+    with pytest.warns(UserWarning, match=r"head \(ScaledLinear\)") as caught:
+        ensemble = ensembles.to_batch_ensemble(
+            model, num_members=2, rngs=nnx.Rngs(1), r_init=ones, s_init=ones
+        )
+    assert "left these subclasses of them shared" in str(caught[0].message)
+    assert type(ensemble.body) is BatchEnsembleLinear
+    assert type(ensemble.head) is ScaledLinear  # its own __call__ kept
+    x = jax.random.normal(jax.random.key(2), (3, 4))
+    np.testing.assert_allclose(
+        ensembles.untile(ensemble(ensembles.tile(x, 2)), 2),
+        jnp.broadcast_to(model(x), (2, 3, 3)),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # Left out with `only`, it is not named.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ensembles.to_batch_ensemble(
+            model,
+            num_members=2,
+            rngs=nnx.Rngs(1),
+            only=lambda path, node: path[0] != "head",
+        )

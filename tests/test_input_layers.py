@@ -99,6 +99,21 @@ def test_an_explicit_r_init_holds_for_every_layer():
     assert np.all(signed.a_head.r[...] == 1)
 
 
+def test_with_only_the_input_layer_is_the_first_converted_layer():
+    # The layers before it stay plain and shared: every member reads the same
+    # activations there, as an input layer reads the same input (docs/training.md).
+    ensemble = ensembles.to_batch_ensemble(
+        Named(nnx.Rngs(0)),
+        num_members=E,
+        rngs=nnx.Rngs(1),
+        only=lambda path, node: path[0] != "z_input",
+    )
+    assert type(ensemble.z_input) is nnx.Linear
+    assert _is_signs(ensemble.blocks[0].r[...])
+    for layer in (ensemble.blocks[1], ensemble.a_head):
+        assert _is_default_normal(layer.r[...])
+
+
 def test_input_layers_selects_them():
     ensemble = ensembles.to_batch_ensemble(
         Named(nnx.Rngs(0)),

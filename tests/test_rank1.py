@@ -476,6 +476,27 @@ class TestModes:
             assert_close(view, layer(x)[k * rows : (k + 1) * rows])
             assert_close(layer.extract_member(k)(rows_k), view, scale=2.0)
 
+    @pytest.mark.parametrize("kind", sorted(LAYERS))
+    def test_a_failed_call_draws_nothing(self, kind):
+        make, shape = LAYERS[kind]
+        layer = make(posterior="gaussian", rngs=nnx.Rngs(0))
+        twin = nnx.clone(layer)
+        x = random_input(0, shape)
+        ragged = random_input(1, (x.shape[0] + 1, *x.shape[1:]))
+        narrow = random_input(2, (*x.shape[:-1], x.shape[-1] + 1))
+        counts = nnx.to_pure_dict(nnx.state(layer, nnx.RngCount))
+        with pytest.raises(ValueError, match="multiple of `num_members`"):
+            layer(ragged)  # the op raises after the draw
+        with pytest.raises(ValueError):
+            layer(narrow)
+        with pytest.raises(ValueError):
+            nnx.view(layer, member=1)(narrow[: x.shape[0] // E])
+        with pytest.raises(TypeError, match="deterministic"):
+            layer(x, deterministic="no")  # raises before the draw
+        assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) == counts
+        np.testing.assert_array_equal(layer(x), twin(x))
+        assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) != counts
+
     def test_jit_draws_what_eager_calls_draw_and_advances_the_stream(self):
         layer = BatchEnsembleLinear(
             4, 3, num_members=E, posterior="gaussian", rngs=nnx.Rngs(0)

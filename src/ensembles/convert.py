@@ -151,12 +151,13 @@ def to_batch_ensemble(
         default, else ``r_init`` (so an explicit ``r_init``, e.g. ``ones()``
         for an exact conversion, holds for every layer).
       input_layers: an NNX filter selecting the input layers among the
-        converted ones. ``None``: the first convertible layer the model's
-        constructor created (attributes in the order they were set, lists in
-        order): the first layer of an ``nnx.Sequential``, and of a module that
-        builds its layers in the order it calls them. Of a stack of layers
-        built under ``nnx.vmap`` for ``nnx.scan``, only the first layer of the
-        stack counts.
+        converted ones. ``None``: the first of the layers converted that the
+        model's constructor created (attributes in the order they were set,
+        lists in order): the first layer of an ``nnx.Sequential``, and of a
+        module that builds its layers in the order it calls them; where
+        ``only`` leaves the first layers plain, the first layer it converts.
+        Of a stack of layers built under ``nnx.vmap`` for ``nnx.scan``, only
+        the first layer of the stack counts.
       norms: ``"shared"`` keeps norm layers as they are (statistics and scale
         shared by all members); ``"member"`` replaces every norm in
         ``NORM_CONVERTERS`` by its per-member sibling.
@@ -216,6 +217,7 @@ def to_batch_ensemble(
     layers, norm_layers, skipped_norms, existing = [], [], [], {}
     posteriors: dict[str, str | None] = {}
     custom_norms: list[str] = []
+    subclassed: list[str] = []
     unselected: list[str] = []
     priors: dict[str, float] = {}
     for path, node in nnx.iter_graph(model):
@@ -233,6 +235,8 @@ def to_batch_ensemble(
                 skipped_norms.append(where)
         elif norms == "member" and is_norm_like(node) and _holds_params(node):
             custom_norms.append(f"{where} ({type(node).__name__})")
+        elif isinstance(node, tuple(CONVERTERS)) and selected(path, node):
+            subclassed.append(f"{where} ({type(node).__name__})")
         elif isinstance(node, EnsembleModule):
             existing[where] = node.num_members
             if isinstance(node, BatchEnsembleModule) and node.posterior is not None:
@@ -297,6 +301,19 @@ def to_batch_ensemble(
             f"{custom_norms}. Build them as Flax norms, or replace them by "
             f"ensembles.EnsembleLayerNorm / EnsembleRMSNorm yourself, to give "
             f"each member its own.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    if subclassed:
+        warnings.warn(
+            f"`to_batch_ensemble` converts Flax's own layers "
+            f"({_names(CONVERTERS)}) and left these subclasses of them shared "
+            f"by every member: {subclassed}. A subclass may compute something "
+            f"else than its Flax base, so it is not converted: build it as the "
+            f"Flax layer, or replace it yourself (e.g. "
+            f"ensembles.BatchEnsembleLinear.from_linear); leave it out with "
+            f"`only=` to silence this.",
             UserWarning,
             stacklevel=2,
         )
@@ -386,7 +403,8 @@ def _input_layer_paths(
             raise ValueError(
                 f"`input_layers` (={input_layers!r}) selects none of the layers "
                 f"to convert: {names}. Select the layers that read the model's "
-                f"input, or leave it None (the first layer the model created)."
+                f"input, or leave it None (the first converted layer the model "
+                f"created)."
             )
     return {tuple(p) for node in chosen for p in paths[id(node)]}
 

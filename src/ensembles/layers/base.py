@@ -5,8 +5,8 @@ The base classes hold no parameters and no constructor logic: each layer's
 layers do. What they share is the view ``nnx.view(layer, member=k)`` (and, for
 the weight layers, ``impl=...`` and ``deterministic=...``), the operands of
 the viewed member (``_member_operands``), the fast weights of a call (the
-means, or a draw from a rank-1 posterior: ``_fast_weights``), and two plain
-functions for the
+means, or a draw from a rank-1 posterior that a failed call takes back:
+``_draws``, ``_fast_weights``, ``_undraw``), and two plain functions for the
 Flax twins: :func:`check_flax_layer` (may a Flax layer be converted?) and
 :func:`plain_layer` (one member as the Flax layer it behaves as).
 """
@@ -274,44 +274,60 @@ class BatchEnsembleModule(EnsembleModule):
     ) -> tuple[int, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """The ensemble size and the promoted operands of one call.
 
-        The fast weights of this call (:meth:`_fast_weights`), sliced to the
-        viewed member (:meth:`~EnsembleModule._member_operands`), then the
-        layer's ``promote_dtype`` called as Flax's layers call it, on
-        ``(inputs, kernel, bias)``, so a custom function written to Flax's
-        contract works unchanged; ``r`` and ``s`` are cast to the dtype it
-        gives the kernel.
+        The layer's ``promote_dtype`` called as Flax's layers call it, on
+        ``(inputs, kernel, bias)`` (the bias sliced to the viewed member,
+        :meth:`~EnsembleModule._member_operands`), so a custom function
+        written to Flax's contract works unchanged; then the fast weights of
+        this call, sliced alike and cast to the dtype it gives the kernel:
+        ``r`` and ``s``, or a draw (:meth:`_draws`, :meth:`_fast_weights`).
+        The draw comes last, so a call that fails here draws nothing; a layer
+        whose op then raises takes its draw back (:meth:`_undraw`).
 
         Returns:
           ``(num_members, inputs, kernel, r, s, bias)``.
         """
         bias = None if self.bias is None else self.bias[...]
-        r, s = self._fast_weights(deterministic)
-        num_members, (r, s, bias) = self._member_operands(r, s, bias)
+        num_members, (r, s, bias) = self._member_operands(
+            self.r[...], self.s[...], bias
+        )
         inputs, kernel, bias = self.promote_dtype(
             (inputs, kernel, bias), dtype=self.dtype
         )
+        if self._draws(deterministic):
+            _, (r, s) = self._member_operands(*self._fast_weights())
         r, s = (jnp.asarray(w, kernel.dtype) for w in (r, s))
         return num_members, inputs, kernel, r, s, bias
 
-    def _fast_weights(
-        self, deterministic: bool | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """The ``[E, ...]`` fast weights of this call: the means, or a draw.
+    def _draws(self, deterministic: bool | None) -> bool:
+        """Whether a call draws its fast weights (a posterior, not deterministic).
 
-        Without a posterior, or deterministic (the call's ``deterministic``
-        if given, else the layer's), ``r`` and ``s`` themselves; else one
-        reparameterised draw of all members' ``r`` and ``s`` from the layer's
-        stream, per member and per call (see ``docs/rank1.md``). A member view
-        slices the same draw, so member ``k`` alone sees what it sees in the
-        ensemble.
+        ``deterministic`` is the call's (checked); ``None`` takes the layer's.
         """
-        r, s = self.r[...], self.s[...]
         if deterministic is None:
             deterministic = self.deterministic
         else:
             deterministic = check_bool(deterministic, "deterministic")
-        if self.posterior is None or deterministic:
-            return r, s
+        return self.posterior is not None and not deterministic
+
+    def _undraw(self, deterministic: bool | None) -> None:
+        """Takes a failed call's draw back: the stream's count as it was.
+
+        The weight layers call it when their op raises after
+        :meth:`_call_operands` drew, so that nothing is mutated by a call
+        that raises and the next call draws what it would have drawn.
+        """
+        if self._draws(deterministic):
+            self.rngs.count[...] -= 1
+
+    def _fast_weights(self) -> tuple[jax.Array, jax.Array]:
+        """One draw of the ``[E, ...]`` fast weights from the posterior.
+
+        One reparameterised draw of all members' ``r`` and ``s`` from the
+        layer's stream, per member and per call, for a call that draws
+        (:meth:`_draws`; see ``docs/rank1.md``). A member view slices the same
+        draw, so member ``k`` alone sees what it sees in the ensemble.
+        """
+        r, s = self.r[...], self.s[...]
         r_key, s_key = jax.random.split(self.rngs())
         return (
             sample_fast_weights(

@@ -445,19 +445,23 @@ class BatchEnsembleConv(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        outputs = conv.conv_rows(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
-            strides=self.strides,
-            padding=self.padding,
-            input_dilation=self.input_dilation,
-            kernel_dilation=self.kernel_dilation,
-            feature_group_count=self.feature_group_count,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-        )
+        try:
+            outputs = conv.conv_rows(
+                inputs,
+                kernel,
+                r,
+                s,
+                bias,
+                num_members=num_members,
+                strides=self.strides,
+                padding=self.padding,
+                input_dilation=self.input_dilation,
+                kernel_dilation=self.kernel_dilation,
+                feature_group_count=self.feature_group_count,
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+            )
+        except Exception:
+            self._undraw(deterministic)  # a failed call draws nothing
+            raise
         return shard_output(outputs[0] if one_example else outputs, out_sharding)

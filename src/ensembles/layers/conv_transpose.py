@@ -403,18 +403,22 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, kernel, deterministic
         )
-        outputs = conv_transpose.conv_transpose_rows(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
-            strides=self.strides,
-            padding=self.padding,
-            kernel_dilation=self.kernel_dilation,
-            transpose_kernel=self.transpose_kernel,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-        )
+        try:
+            outputs = conv_transpose.conv_transpose_rows(
+                inputs,
+                kernel,
+                r,
+                s,
+                bias,
+                num_members=num_members,
+                strides=self.strides,
+                padding=self.padding,
+                kernel_dilation=self.kernel_dilation,
+                transpose_kernel=self.transpose_kernel,
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+            )
+        except Exception:
+            self._undraw(deterministic)  # a failed call draws nothing
+            raise
         return outputs[0] if one_example else outputs

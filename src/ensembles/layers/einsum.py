@@ -400,16 +400,20 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )
-        outputs = einsum.batch_ensemble_einsum(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            einsum_str=einsum_str,
-            num_members=num_members,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
-        )
+        try:
+            outputs = einsum.batch_ensemble_einsum(
+                inputs,
+                kernel,
+                r,
+                s,
+                bias,
+                einsum_str=einsum_str,
+                num_members=num_members,
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+                impl=self.impl,
+            )
+        except Exception:
+            self._undraw(deterministic)  # a failed call draws nothing
+            raise
         return shard_output(outputs, out_sharding)

@@ -356,15 +356,19 @@ class BatchEnsembleLinear(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )
-        dense.check_shapes(inputs, kernel, r, s, bias, num_members)
-        outputs = dense.dense_rows(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
-        )
+        try:
+            dense.check_shapes(inputs, kernel, r, s, bias, num_members)
+            outputs = dense.dense_rows(
+                inputs,
+                kernel,
+                r,
+                s,
+                bias,
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+                impl=self.impl,
+            )
+        except Exception:
+            self._undraw(deterministic)  # a failed call draws nothing
+            raise
         return shard_output(outputs[0] if one_example else outputs, out_sharding)

@@ -458,17 +458,21 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
         num_members, inputs, kernel, r, s, bias = self._call_operands(
             inputs, self.kernel[...], deterministic
         )
-        outputs = dense_general.batch_ensemble_dense_general(
-            inputs,
-            kernel,
-            r,
-            s,
-            bias,
-            num_members=num_members,
-            axis=self.axis,
-            num_batch_axes=len(self.batch_axis),
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            impl=self.impl,
-        )
+        try:
+            outputs = dense_general.batch_ensemble_dense_general(
+                inputs,
+                kernel,
+                r,
+                s,
+                bias,
+                num_members=num_members,
+                axis=self.axis,
+                num_batch_axes=len(self.batch_axis),
+                precision=self.precision,
+                preferred_element_type=self.preferred_element_type,
+                impl=self.impl,
+            )
+        except Exception:
+            self._undraw(deterministic)  # a failed call draws nothing
+            raise
         return shard_output(outputs[0] if one_example else outputs, out_sharding)

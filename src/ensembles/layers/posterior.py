@@ -6,8 +6,9 @@ fast weights ``r`` and ``s`` as the posterior means and holds, beside them,
 the same shapes; the scales are their softplus) and an rng stream, as
 ``nnx.Dropout`` holds one; its constructor draws them with its other
 parameters (:func:`ensembles.layers.weights.new_weights`), and
-:meth:`~ensembles.layers.BatchEnsembleModule._fast_weights` draws (or,
-deterministic, returns the means) on every call. The math lives in
+:meth:`~ensembles.layers.BatchEnsembleModule._fast_weights` draws on every
+call that is not deterministic (and a call whose op raises takes its draw
+back, so a failed call leaves the stream as it was). The math lives in
 :mod:`ensembles.ops.posterior`.
 """
 

@@ -552,8 +552,30 @@ def test_summary_no_gap_when_the_deep_ensemble_is_no_better(deep):
     entry = summarize(rows)[1]
     assert entry["gap_closed"] == {"in_distribution": None, "shift_mean": None}
     text = format_quality(rows)
-    assert "deep ensemble no better than one model" in text
+    assert "deep ensemble not better than one model beyond noise" in text
     assert "%" not in text
+
+
+@pytest.mark.parametrize("spread, closed", [(0.1, None), (0.01, 0.5)])
+def test_summary_no_gap_within_two_standard_errors_over_seeds(spread, closed):
+    # Over 3 seeds, one model's NLL 1.0 with std `spread`, the deep ensemble's
+    # 0.8 with std 2.5 * spread: the standard error of the difference of the
+    # means is spread * sqrt(7.25 / 3), so the gap of 0.2 is 1.3 of them at
+    # spread 0.1 (noise: no ratio) and 12.9 at spread 0.01 (BE closes half).
+    offsets = (-spread, 0.0, spread)
+    rows = [
+        row
+        for seed, offset in enumerate(offsets)
+        for row in (
+            _row("single", 1.0 + offset, seed),
+            _row("batchensemble", 0.9, seed),
+            _row("deep_ensemble", 0.8 + 2.5 * offset, seed),
+        )
+    ]
+    entry = {e["method"]: e for e in summarize(rows)}["batchensemble"]
+    expected = None if closed is None else pytest.approx(closed)
+    for key in ("gap_closed", "gap_closed_as_trained"):
+        assert entry[key] == {"in_distribution": expected, "shift_mean": expected}
 
 
 def test_format_quality_takes_rows_or_a_summary_and_names_the_best():

@@ -8,18 +8,32 @@ training data; the second gives the figures as trained.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from ensembles.benchmark.report import render_table
 
-__all__ = ["MIN_GAP", "format_quality", "summarize", "write_quality_plot"]
+__all__ = [
+    "MIN_GAP",
+    "MIN_GAP_STANDARD_ERRORS",
+    "format_quality",
+    "summarize",
+    "write_quality_plot",
+]
 
 #: "Gap closed" is only defined where the deep ensemble's NLL is lower than
-#: one model's by at least this share of one model's NLL: over a smaller gap
-#: the ratio is noise (a 0.001 gap makes 125% or -1200% of nothing).
+#: one model's by at least this share of one model's NLL, and by more than
+#: :data:`MIN_GAP_STANDARD_ERRORS` standard errors of the difference of the two
+#: means over seeds: over a smaller gap the ratio is noise (a 0.001 gap makes
+#: 125% or -1200% of nothing; a gap of one standard error, 150%).
 MIN_GAP: float = 0.02
+
+#: See :data:`MIN_GAP`: the standard error of the difference of the two mean
+#: NLLs is ``sqrt(std_single**2 / n_single + std_deep**2 / n_deep)`` from the
+#: seeds' sample standard deviations (zero for one seed).
+MIN_GAP_STANDARD_ERRORS: float = 2.0
 
 # (header, where in a summary entry, metric, higher is better);
 # "shift" = mean over severities.
@@ -119,7 +133,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       closes, in distribution and under shift (mean over severities),
       recalibrated (``gap_closed``) and as trained
       (``gap_closed_as_trained``); ``None`` where the deep ensemble is no
-      better than one model (by at least :data:`MIN_GAP` of its NLL).
+      better than one model by more than noise (at least :data:`MIN_GAP` of
+      its NLL and more than :data:`MIN_GAP_STANDARD_ERRORS` standard errors).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -159,7 +174,10 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             entry[name] = {
                 part: _gap_closed(
-                    pick(single)[part], pick(entry)[part], pick(deep)[part]
+                    pick(single)[part],
+                    pick(entry)[part],
+                    pick(deep)[part],
+                    seeds=(single["seeds"], deep["seeds"]),
                 )
                 for part in ("in_distribution", "shift_mean")
                 if "nll" in pick(entry).get(part, {})
@@ -167,10 +185,18 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
-def _gap_closed(single: dict, ensemble: dict, deep: dict) -> float | None:
+def _gap_closed(
+    single: dict, ensemble: dict, deep: dict, seeds: tuple[int, int]
+) -> float | None:
     gap = single["nll"]["mean"] - deep["nll"]["mean"]
-    if gap <= MIN_GAP * abs(single["nll"]["mean"]):
-        return None  # the deep ensemble is no better: there is no gap to close
+    standard_error = math.sqrt(
+        single["nll"]["std"] ** 2 / seeds[0] + deep["nll"]["std"] ** 2 / seeds[1]
+    )
+    if gap <= max(
+        MIN_GAP * abs(single["nll"]["mean"]),
+        MIN_GAP_STANDARD_ERRORS * standard_error,
+    ):
+        return None  # no gap to close that the seeds can tell from noise
     return (single["nll"]["mean"] - ensemble["nll"]["mean"]) / gap
 
 
@@ -307,7 +333,8 @@ def _gap_lines(group: list[dict[str, Any]]) -> str:
             parts = [
                 f"{where_label} {gap[where]:.0%}"
                 if gap.get(where) is not None
-                else f"{where_label}: deep ensemble no better than one model"
+                else f"{where_label}: deep ensemble not better than one model "
+                "beyond noise"
                 for where, where_label in (
                     ("in_distribution", "in distribution"),
                     ("shift_mean", "under shift"),

@@ -91,7 +91,8 @@ def run_benchmark(
       ``total_bytes``), with the ratio of parameters to the faster deep
       ensemble's (both hold E models) and of memory to the vmapped deep
       ensemble's (``deep_ensemble``, all E models in one step as the other
-      methods run; the loop's memory is that of one of its E calls), and
+      methods run; the loop's is the arguments and outputs of its E calls
+      and the temporaries of one), and
       ``page_faults_per_step`` (the median over the timed calls, ``None``
       where the system does not count them; thousands mean the step got fresh
       memory from the system on most calls, and its time includes that: see
@@ -171,8 +172,8 @@ def run_benchmark(
                     "temp_bytes": p.memory.temp_bytes,
                     "total_bytes": p.memory.total_bytes,
                     # Against the deep ensemble that holds all E models at
-                    # once, as every other method does (the loop's figure is
-                    # one of its E calls: not the ensemble's memory).
+                    # once, as every other method does (the loop's figure
+                    # counts one call's temporaries: its calls run apart).
                     "memory_ratio_to_deep_ensemble": (
                         p.memory.total_bytes
                         / prepared["deep_ensemble"].memory.total_bytes

@@ -1,14 +1,16 @@
 """``ensembles-bench``: what does an ensemble of E cost, and what does it buy?
 
 For every ensemble size E it times ``single`` (one plain model on all ``E*B``
-rows), ``batchensemble`` (the converted model), ``deep_ensemble`` (E models
-under ``nnx.vmap``) and ``deep_ensemble_loop`` (E models in a Python loop), all
-on the same ``E*B`` member-samples, interleaved so that machine drift hits all
-methods alike, and prints samples/s, ratios and memory. With ``--quality`` it
-trains one model, a BatchEnsemble, a deep ensemble and MC dropout on MNIST-1D
-(generated offline) and prints accuracy, NLL, ECE and Brier score in
-distribution and under shift, and out-of-distribution AUROC
-(:mod:`ensembles.benchmark.quality`).
+rows), ``single_b`` (one plain model on one member's ``B`` rows),
+``batchensemble`` (the converted model), ``rank1`` (the same with a Gaussian
+posterior, one draw), ``deep_ensemble`` (E models under ``nnx.vmap``) and
+``deep_ensemble_loop`` (E models in a Python loop), on the same ``E*B``
+member-samples, interleaved so that machine drift hits all methods alike, and
+prints samples/s, ratios and memory. With ``--quality`` it trains one model, a
+BatchEnsemble, a rank-1 BatchEnsemble, a fine-tuned conversion, a deep
+ensemble and MC dropout on generated or bundled data (MNIST-1D by default)
+and prints accuracy, NLL, ECE and Brier score in distribution and under
+shift, and out-of-distribution AUROC (:mod:`ensembles.benchmark.quality`).
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
             "both are rows of the table) over the row's median: above 1, the row "
             "is faster. 'params/deep' is the fraction of that faster deep "
             "ensemble's parameters; 'memory MiB' is XLA's memory analysis of the "
-            "compiled step (arguments + outputs + temporaries; for the loop, the "
-            "temporaries of one of its E calls, which run one after another), "
+            "compiled step (arguments + outputs not aliased to donated arguments "
+            "+ temporaries; for the loop, the arguments and outputs of its E "
+            "calls and the temporaries of one, since they run one after another), "
             "and 'memory/vmap deep' the fraction of the vmapped deep ensemble's, "
             "which, like every other row but the loop, holds all E models' "
             "activations at once. On XLA's CPU backend "
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
             "convolutions, so the vmap deep ensemble of the CNN (E grouped into "
             "one convolution) shows less memory than one model: read its memory "
             "as a lower bound. Quality (--quality): every method trains with "
-            "AdamW for the same steps on a task's training set less a tenth held "
+            "AdamW for the task's steps (finetuned: a quarter of them, after "
+            "the single model's) on a task's training set less a tenth held "
             "out (at least 300 examples, at most half; MNIST-1D: 8,000 sequences "
             "generated offline, 2,000 with --quick); it is measured as trained "
             "and recalibrated, at one temperature of its own fitted on the "

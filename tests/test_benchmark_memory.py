@@ -117,6 +117,7 @@ def _rows(faults):
     for row in rows:
         assert row["page_faults_per_step"] is None or row["page_faults_per_step"] >= 0
         row["page_faults_per_step"] = faults.get(row["method"], 0.0)
+        row["q1_s"] = row["q3_s"] = row["median_s"]  # no spread note
     return rows
 
 
@@ -187,3 +188,21 @@ def test_default_malloc_is_an_option_of_the_speed_benchmark(capsys):
         main(["--quality", "--default-malloc"])
     assert raised.value.code == 2
     assert "--default-malloc applies only without --quality" in capsys.readouterr().err
+
+
+def test_the_table_names_the_rows_whose_times_spread_widely():
+    rows = _rows({"batchensemble": 24_671.5})
+    single = next(row for row in rows if row["method"] == "single")
+    median = single["median_s"]
+    single["q1_s"], single["q3_s"] = 0.8 * median, 1.2 * median
+    for text, gap in (
+        (report._format_table(rows), "\n"),
+        (report._format_markdown(rows), "\n\n"),
+    ):
+        expected = "Spread of ±10% or more over the rounds: single (E=2) ±20%."
+        assert gap + expected in text
+        assert "batchensemble (E=2) ±" not in text.split(expected)[1]
+        # The page-fault note follows, a paragraph of its own in Markdown.
+        assert gap + "Page faults per step: batchensemble" in text
+    single["q1_s"], single["q3_s"] = 0.95 * median, 1.05 * median
+    assert "Spread of" not in report._format_table(rows)  # ±5%: under SPREAD_NOTED

@@ -50,13 +50,17 @@ _COLUMNS = (
 )
 
 
+def _spread(row: dict[str, Any]) -> float:
+    """Half the interquartile range of a row's times over their median."""
+    return (row["q3_s"] - row["q1_s"]) / 2 / row["median_s"]
+
+
 def _cells(row: dict[str, Any]) -> tuple[str, ...]:
-    spread = (row["q3_s"] - row["q1_s"]) / 2 / row["median_s"]
     return (
         str(row["members"]),
         row["method"],
         f"{1e3 * row['median_s']:.2f}",
-        f"±{100 * spread:.0f}%",
+        f"±{100 * _spread(row):.0f}%",
         _count(row["samples_per_s"]),
         f"{row['ratio_to_single']:.2f}",
         f"{row['ratio_to_single_b']:.2f}",
@@ -98,6 +102,34 @@ def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
 #: fresh pages a step (a step that reuses its memory faults a few hundred
 #: times at most).
 FAULTS_NOTED: int = 1000
+
+
+#: Spread (:func:`_spread`) from which a method's row gets a note: a ratio
+#: against its median can be off by about as much.
+SPREAD_NOTED: float = 0.10
+
+
+def _spread_note(group: list[dict[str, Any]]) -> str:
+    """A line naming the methods whose times spread widely, or ``""``."""
+    noisy = [
+        f"{row['method']} (E={row['members']}) ±{100 * _spread(row):.0f}%"
+        for row in group
+        if _spread(row) >= SPREAD_NOTED
+    ]
+    if not noisy:
+        return ""
+    return (
+        f"Spread of ±{100 * SPREAD_NOTED:.0f}% or more over the rounds: "
+        f"{', '.join(noisy)}. A ratio against these rows can be off by as "
+        f"much: rerun with more --repeats, or on a quieter machine."
+    )
+
+
+def _notes(group: list[dict[str, Any]], separator: str) -> str:
+    """The notes under a group's table (spread, page faults), or ``""``."""
+    return separator.join(
+        note for note in (_spread_note(group), _faults_note(group)) if note
+    )
 
 
 def _faults_note(group: list[dict[str, Any]]) -> str:
@@ -170,7 +202,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
         table = render_table(
             _COLUMNS, [_cells(row) for row in group], markdown=False, left=1
         )
-        note = _faults_note(group)
+        note = _notes(group, "\n")
         blocks.append(_title(key, group) + "\n" + table + (note and "\n" + note))
     return "\n\n".join(blocks)
 
@@ -189,7 +221,7 @@ def _format_markdown(rows: list[dict[str, Any]]) -> str:
         table = render_table(
             _COLUMNS, [_cells(row) for row in group], markdown=True, left=1
         )
-        note = _faults_note(group)
+        note = _notes(group, "\n\n")
         blocks.append(
             f"**{_title(key, group)}**\n\n" + table + (note and "\n\n" + note)
         )

@@ -966,3 +966,142 @@ class TestErrors:
         y = layer(ensembles.tile(x, 3))
         assert_close(y[:2], flax_layer(x))
         assert_close(y[4:], flax_layer(x))
+
+
+# (transpose, constructor options, input shape after the batch axis) of inputs
+# with an empty spatial axis. Flax gives an empty output axis for every padding
+# but a transposed VALID (or explicitly padded) one, whose outputs are the bias
+# alone: the gradients then reach the bias and nothing else.
+EMPTY_CASES = {
+    "conv-same": (False, {"kernel_size": 3}, (0, 4)),
+    "conv-valid-strided": (
+        False,
+        {"kernel_size": 3, "padding": "VALID", "strides": 2},
+        (0, 4),
+    ),
+    "conv-padded-2d": (
+        False,
+        {"kernel_size": (1, 3), "padding": [(1, 1), (0, 2)]},
+        (0, 5, 4),
+    ),
+    "conv-circular-kernel-1": (
+        False,
+        {"kernel_size": (1, 3), "padding": "CIRCULAR"},
+        (0, 5, 4),
+    ),
+    "conv-groups-causal": (
+        False,
+        {"kernel_size": 2, "padding": "CAUSAL", "feature_group_count": 2},
+        (0, 4),
+    ),
+    "transpose-same-strided": (True, {"kernel_size": 3, "strides": 2}, (0, 4)),
+    "transpose-valid": (
+        True,
+        {"kernel_size": 3, "padding": "VALID", "transpose_kernel": True},
+        (0, 4),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        # A spread in the quick tier: conv, transposed, an output of the bias alone.
+        name
+        if name in ("conv-padded-2d", "transpose-valid", "conv-groups-causal")
+        else pytest.param(name, marks=pytest.mark.slow)
+        for name in EMPTY_CASES
+    ],
+)
+def test_an_empty_spatial_axis_gives_what_flax_gives(name):
+    # nnx.Conv maps [N, 0, C] to [N, 0, out]; this used to raise a bare
+    # ZeroDivisionError from inside jnp.reshape.
+    transpose, options, shape = EMPTY_CASES[name]
+    options = layer_options(options, transpose)
+    layer = make_layer(options, transpose)
+    x = random_array(1, (NUM_MEMBERS * BATCH, *shape))
+    reference = reference_fn(options, transpose)
+    expected = jax.jit(reference)(x, *params(layer))
+    cotangent = random_array(2, expected.shape)
+
+    def loss(layer, x):
+        y = layer(x)
+        return jnp.sum(y * cotangent), y
+
+    def reference_loss(x, kernel, r, s, bias):
+        return jnp.sum(reference(x, kernel, r, s, bias) * cotangent)
+
+    (grads, grad_x), y = nnx.jit(nnx.grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
+    expected_grads = jax.jit(jax.grad(reference_loss, argnums=(0, 1, 2, 3, 4)))(
+        x, *params(layer)
+    )
+    assert y.shape == expected.shape
+    assert_close(y, expected)
+    assert_close(grad_x, expected_grads[0])
+    for name_, e in zip(["kernel", "r", "s", "bias"], expected_grads[1:], strict=True):
+        assert_close(getattr(grads, name_)[...], e)
+    # The functional op and a member view give the same.
+    if transpose:
+        y_op = ensembles.ops.batch_ensemble_conv_transpose(
+            x,
+            *params(layer),
+            num_members=NUM_MEMBERS,
+            strides=options.get("strides"),
+            padding=options.get("padding", "SAME"),
+            transpose_kernel=options.get("transpose_kernel", False),
+        )
+    else:
+        y_op = ensembles.ops.batch_ensemble_conv(
+            x,
+            *params(layer),
+            num_members=NUM_MEMBERS,
+            strides=options.get("strides", 1),
+            padding=options.get("padding", "SAME"),
+            feature_group_count=options.get("feature_group_count", 1),
+        )
+    assert_close(y_op, expected)
+    assert_close(nnx.view(layer, member=1)(x[BATCH:]), expected[BATCH:])
+
+
+def test_an_empty_axis_of_an_extra_batch_axis_or_both_runs():
+    # Flax's own reshape divides by zero on [N, 2, 0, C]: ours flattens the
+    # batch axes by their counted size.
+    layer = make_layer({"kernel_size": 3, "out_features": 6}, transpose=False)
+    for shape in [(2, 0, 4), (0, 0, 4), (0, 5, 4)]:
+        x = jnp.zeros((NUM_MEMBERS * BATCH, *shape))
+        y = layer(x)
+        assert y.shape == (NUM_MEMBERS * BATCH, *shape[:-1], 6)
+
+
+def test_an_empty_circular_transposed_axis_is_empty_and_differentiable():
+    # nnx.ConvTranspose divides by the zero period of an empty axis; its
+    # output size there is the input's times the stride: empty.
+    layer = make_layer(
+        {"kernel_size": 3, "out_features": 6, "padding": "CIRCULAR", "strides": 2},
+        transpose=True,
+    )
+    x = jnp.zeros((NUM_MEMBERS * BATCH, 0, 4))
+    assert layer(x).shape == (NUM_MEMBERS * BATCH, 0, 6)
+    grads = nnx.grad(lambda layer: jnp.sum(layer(x)))(layer)
+    for leaf in jax.tree.leaves(grads):
+        np.testing.assert_array_equal(leaf, 0.0)
+
+
+@pytest.mark.parametrize("padding", ["CIRCULAR", "REFLECT"])
+@pytest.mark.parametrize("posterior", [None, "gaussian"])
+def test_wrapping_an_empty_axis_raises_and_changes_nothing(padding, posterior):
+    # nnx.Conv's jnp.pad refuses too ("Cannot apply 'wrap' padding to empty
+    # axis"); ours names the argument, and a rank-1 layer draws nothing.
+    layer = BatchEnsembleConv(
+        4, 6, 3, padding=padding, num_members=2, posterior=posterior, rngs=nnx.Rngs(0)
+    )
+    before = snapshot(layer)
+    with pytest.raises(
+        ValueError, match=rf"`inputs` has an empty spatial axis.*{padding}"
+    ):
+        layer(jnp.zeros((4, 0, 4)))
+    assert_same(before, snapshot(layer))
+    with pytest.raises(ValueError, match="`inputs` has an empty spatial axis"):
+        ensembles.ops.batch_ensemble_conv(
+            jnp.zeros((4, 0, 4)), *params(layer), num_members=2, padding=padding
+        )

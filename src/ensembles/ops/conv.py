@@ -208,6 +208,16 @@ def _pad(x, padding, kernel_size, kernel_dilation):
             (k - 1) * d + 1 for k, d in zip(kernel_size, kernel_dilation, strict=True)
         ]
         pads = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+        spatial = x.shape[1:-1]
+        if any(k > 1 > n for n, k in zip(spatial, dilated, strict=True)):
+            # nnx.Conv's jnp.pad refuses too ("Cannot apply 'wrap' padding to
+            # empty axis"), naming no argument.
+            raise ValueError(
+                f"`inputs` has an empty spatial axis (spatial shape {spatial}) "
+                f"that padding={padding!r} must pad with values of its own, and "
+                f"it has none. Give every spatial axis at least one value, or "
+                f"pad with 'SAME' or 'VALID'."
+            )
         mode = {"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding]
         return jnp.pad(x, pads, mode=mode), "VALID"
     if padding == "CAUSAL":
@@ -356,7 +366,9 @@ def batch_ensemble_conv(
 
     Raises:
       ValueError: if a shape, ``num_members``, an option or ``impl`` is
-        invalid; the message names the argument and the fix.
+        invalid, or ``'CIRCULAR'`` or ``'REFLECT'`` padding must pad an empty
+        spatial axis (``nnx.Conv`` cannot either; other paddings give an empty
+        output axis, as Flax does); the message names the argument and the fix.
       TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)

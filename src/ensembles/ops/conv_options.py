@@ -283,4 +283,7 @@ def check_shapes(
 
 def flatten_batch(inputs, rank):
     """``[E*B, ..., *spatial, C]`` -> ``[E*B*..., *spatial, C]``."""
-    return inputs.reshape(-1, *inputs.shape[-rank - 1 :])
+    # The rows are counted, not left to reshape's -1: an empty spatial axis
+    # leaves nothing to infer them from (reshape divides by zero).
+    rows = int(np.prod(inputs.shape[: -rank - 1], dtype=np.int64))
+    return inputs.reshape(rows, *inputs.shape[-rank - 1 :])

@@ -81,7 +81,8 @@ def conv_transpose_rows(
         # periods (input size times stride) and sum the periods.
         periods = [n * stride for n, stride in zip(x.shape[1:-1], strides, strict=True)]
         size_diffs = [
-            -(m - p) % (2 * p) for m, p in zip(y.shape[1:-1], periods, strict=True)
+            -(m - p) % (2 * p) if p else 0
+            for m, p in zip(y.shape[1:-1], periods, strict=True)
         ]
         if transpose_kernel:
             pads = [(d // 2, (d + 1) // 2) for d in size_diffs]
@@ -89,6 +90,12 @@ def conv_transpose_rows(
             pads = [((d + 1) // 2, d // 2) for d in size_diffs]
         y = jnp.pad(y, [(0, 0), *pads, (0, 0)])
         for axis, period in enumerate(periods, start=1):
+            if not period:
+                # An empty input axis gives an empty output axis (its size
+                # times the stride, as for every other padding); nnx.ConvTranspose
+                # divides by the zero period here.
+                y = lax.slice_in_dim(y, 0, 0, axis=axis)
+                continue
             y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
             y = y.sum(axis=axis)
     y = y * per_row(s, y.shape[0], y.ndim)
@@ -158,7 +165,10 @@ def batch_ensemble_conv_transpose(
       impl: ``"xla"``, the one implementation.
 
     Returns:
-      The ``[E*B, ..., *out_spatial, out_features]`` outputs.
+      The ``[E*B, ..., *out_spatial, out_features]`` outputs. An empty spatial
+      axis gives what ``nnx.ConvTranspose`` gives (with ``'CIRCULAR'``, where
+      Flax divides by its zero period, an empty axis: its size times the
+      stride).
 
     Raises:
       ValueError: if a shape, ``num_members``, an option or ``impl`` is

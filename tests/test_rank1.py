@@ -497,6 +497,22 @@ class TestModes:
         np.testing.assert_array_equal(layer(x), twin(x))
         assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) != counts
 
+    @pytest.mark.parametrize(
+        "kind", sorted(k for k in LAYERS if k != "conv_transpose")
+    )  # nnx.ConvTranspose takes no out_sharding
+    def test_a_call_whose_out_sharding_fails_draws_nothing(self, kind):
+        # The placement comes after the op: it used to run after the draw
+        # was taken back, so a failed placement advanced the stream.
+        make, shape = LAYERS[kind]
+        layer = make(posterior="gaussian", rngs=nnx.Rngs(0))
+        twin = nnx.clone(layer)  # the reference: a layer that never failed
+        x = random_input(0, shape)
+        counts = nnx.to_pure_dict(nnx.state(layer, nnx.RngCount))
+        with pytest.raises(ValueError, match="mesh"):
+            layer(x, out_sharding=jax.sharding.PartitionSpec("data"))  # no mesh
+        assert nnx.to_pure_dict(nnx.state(layer, nnx.RngCount)) == counts
+        np.testing.assert_array_equal(layer(x), twin(x))
+
     def test_jit_draws_what_eager_calls_draw_and_advances_the_stream(self):
         layer = BatchEnsembleLinear(
             4, 3, num_members=E, posterior="gaussian", rngs=nnx.Rngs(0)

@@ -461,7 +461,8 @@ class BatchEnsembleConv(BatchEnsembleModule):
                 precision=self.precision,
                 preferred_element_type=self.preferred_element_type,
             )
+            # Inside the try: an `out_sharding` that fails takes the draw back too.
+            return shard_output(outputs[0] if one_example else outputs, out_sharding)
         except Exception:
             self._undraw(deterministic)  # a failed call draws nothing
             raise
-        return shard_output(outputs[0] if one_example else outputs, out_sharding)

@@ -413,7 +413,8 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 preferred_element_type=self.preferred_element_type,
                 impl=self.impl,
             )
+            # Inside the try: an `out_sharding` that fails takes the draw back too.
+            return shard_output(outputs, out_sharding)
         except Exception:
             self._undraw(deterministic)  # a failed call draws nothing
             raise
-        return shard_output(outputs, out_sharding)

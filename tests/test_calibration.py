@@ -241,10 +241,13 @@ def test_the_widest_bounds_still_fit():
 
 
 def test_a_flat_nll_gives_the_lower_bound():
-    # One class: every temperature gives probability 1, the fit is arbitrary.
-    one_class = jnp.zeros((2, 5, 1))
+    # One possible class per example (the other masked out by every member):
+    # every temperature gives it probability 1, the fit is arbitrary.
+    one_possible = jnp.zeros((2, 5, 2)).at[:, :, 1].set(-jnp.inf)
     np.testing.assert_allclose(
-        uncertainty.fit_temperature(one_class, jnp.zeros(5, jnp.int32)), 0.05, rtol=1e-5
+        uncertainty.fit_temperature(one_possible, jnp.zeros(5, jnp.int32)),
+        0.05,
+        rtol=1e-5,
     )
 
 

@@ -52,7 +52,50 @@ def _check_logits(logits: jax.Array) -> jax.Array:
             "`logits` must have at least one member, example and class, "
             f"got shape {shape} (E={shape[0]}, B={shape[1]}, C={shape[2]})."
         )
+    if shape[2] == 1:
+        raise ValueError(ONE_OUTPUT_ERROR.format(name="logits", shape=shape))
     return logits
+
+
+#: What a classification function says of one-output predictions, where a
+#: softmax over one "class" is 1 for every member: every score would be a
+#: constant (variance and mutual information 0) while the members disagree.
+ONE_OUTPUT_ERROR = (
+    "`{name}` has one class (shape {shape}): a softmax over one class is 1 for "
+    "every member, so every classification score of it would be a constant "
+    "(no variance, no disagreement) whatever the members predict. These "
+    "functions are for classifiers' logits [E, B, C] with C >= 2. One output "
+    "per example is a regression prediction: score the members' means (and "
+    "standard deviations) with ensembles.uncertainty's regression functions, "
+    "e.g. `uncertainty.epistemic_variance({name}[..., 0])`, "
+    "`mixture_variance`, `crps`, `mixture_nll`, `rmse` (docs/regression.md). "
+    "A binary classifier's one sigmoid logit: pass two classes, "
+    "`jnp.concatenate([jnp.zeros_like({name}), {name}], axis=-1)`."
+)
+
+
+def _float_label_hint(labels) -> str:
+    """What to say of float labels: a cast for class indices, else regression."""
+    try:
+        values = np.asarray(labels)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    dtype = getattr(labels, "dtype", None) if values is None else values.dtype
+    if dtype is None or not np.issubdtype(np.dtype(dtype), np.floating):
+        return ": for one-hot labels pass `labels.argmax(-1)`"
+    if values is not None and np.all(
+        np.isfinite(values) & (values == np.round(values))
+    ):
+        return (
+            ": these hold whole numbers, so if they are class indices pass "
+            "`labels.astype(jnp.int32)` (one-hot labels: `labels.argmax(-1)`)"
+        )
+    return (
+        ": these are classification metrics of class indices; real-valued "
+        "targets are a regression problem, scored by ensembles.uncertainty's "
+        "regression functions (`crps`, `mixture_nll`, `rmse`, ...; "
+        "docs/regression.md)"
+    )
 
 
 def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
@@ -60,12 +103,7 @@ def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
     num_examples, num_classes = logits.shape[1], logits.shape[2]
     # Out-of-range labels would be silently clipped or filled by the gathers
     # below; check_labels raises for them whenever their values are known.
-    labels = check_labels(
-        labels,
-        num_classes,
-        hint=": for one-hot labels pass `labels.argmax(-1)`, for integral floats "
-        "`labels.astype(jnp.int32)`",
-    )
+    labels = check_labels(labels, num_classes, hint=_float_label_hint(labels))
     if tuple(labels.shape) != (num_examples,):
         raise ValueError(
             f"`labels` must have shape [B] = ({num_examples},) to match `logits` "

@@ -80,8 +80,8 @@ def fit_temperature(
     report), then apply it with :func:`scale_temperature`. The NLL of
     ``softmax(log p / T)`` is convex in ``1/T``; the minimum is found by
     bisection of its slope in ``log(1/T)`` to within ``bounds``, which it
-    is clipped to. Where every temperature fits equally (one class, or one
-    possible class per example) it returns the lower bound. It is a fit, not
+    is clipped to. Where every temperature fits equally (one possible class
+    per example) it returns the lower bound. It is a fit, not
     a differentiable function of the logits: its gradient is zero.
 
     >>> import jax.numpy as jnp

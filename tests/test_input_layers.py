@@ -13,6 +13,7 @@ from flax import nnx
 
 import ensembles
 from ensembles import initializers
+from tests.reference import assert_same, snapshot
 
 E = 4
 
@@ -147,6 +148,80 @@ def test_input_layers_that_select_nothing_raise_and_change_nothing():
     )
 
 
+def test_an_explicit_r_init_does_not_silence_input_layers_that_select_nothing():
+    # The docstring promises the error whatever the initializers: an
+    # `input_layers` that selects nothing is a typo either way.
+    model = Named(nnx.Rngs(0))
+    before = snapshot(model)
+    rngs = nnx.Rngs(1)
+    with pytest.raises(
+        ValueError, match=r"`input_layers` .* selects none of the layers"
+    ):
+        ensembles.to_batch_ensemble(
+            model,
+            num_members=E,
+            rngs=rngs,
+            r_init=initializers.ones(),
+            input_layers=lambda path, node: "decoder" in path,
+        )
+    assert_same(before, snapshot(model))
+    assert rngs.params.count[...] == 0
+
+
+class DictOfLayers(nnx.Module):
+    """Its layers in a plain dict, created in an order their keys do not sort in."""
+
+    def __init__(self, rngs):
+        self.layers = nnx.data(
+            {
+                "z_input": nnx.Linear(16, 64, rngs=rngs),
+                "m_hidden": nnx.Linear(64, 64, rngs=rngs),
+                "a_head": nnx.Linear(64, 3, rngs=rngs),
+            }
+        )
+
+    def __call__(self, x):
+        layers = self.layers
+        return layers["a_head"](
+            nnx.relu(layers["m_hidden"](nnx.relu(layers["z_input"](x))))
+        )
+
+
+def test_the_first_layer_created_in_a_plain_dict_is_the_input_layer():
+    # A dict keeps the order its items were set in; nnx sorts its keys.
+    ensemble = ensembles.to_batch_ensemble(
+        DictOfLayers(nnx.Rngs(0)), num_members=E, rngs=nnx.Rngs(1)
+    )
+    assert _is_signs(ensemble.layers["z_input"].r[...])
+    for key in ("m_hidden", "a_head"):
+        assert _is_default_normal(ensemble.layers[key].r[...])
+
+
+def _member_r(key, shape, dtype):
+    """A wrong input_r_init: one member's ``[in]`` where ``[E, in]`` is asked."""
+    del key
+    return jnp.full(shape[1:], -1.0, dtype)
+
+
+@pytest.mark.parametrize("make", ["plain", "stacked"])
+def test_an_input_r_init_of_the_wrong_shape_is_named_and_changes_nothing(make):
+    # A stacked layer used to broadcast it silently into every member, and a
+    # plain one blamed `r_init`.
+    model = Named(nnx.Rngs(0)) if make == "plain" else Scanned(nnx.Rngs(0))
+    before = snapshot(model)
+    rngs = nnx.Rngs(1)
+    with pytest.raises(
+        ValueError,
+        match=r"`input_r_init` returned an array of shape \(\d+,\), but .* needs "
+        r"shape \(4, \d+\)",
+    ):
+        ensembles.to_batch_ensemble(
+            model, num_members=E, rngs=rngs, input_r_init=_member_r
+        )
+    assert_same(before, snapshot(model))
+    assert rngs.params.count[...] == 0
+
+
 def test_input_r_init_must_be_an_initializer():
     with pytest.raises(TypeError, match="`input_r_init` must be an initializer"):
         ensembles.to_batch_ensemble(
@@ -154,24 +229,28 @@ def test_input_r_init_must_be_an_initializer():
         )
 
 
+@nnx.split_rngs(splits=3)
+@nnx.vmap(axis_size=3)
+def _stack_of_three(rngs):
+    return nnx.Linear(8, 8, rngs=rngs)
+
+
+class Scanned(nnx.Module):
+    """A stack of three layers built under nnx.vmap for nnx.scan, then a head."""
+
+    def __init__(self, rngs):
+        self.body = _stack_of_three(rngs)
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x, layer):
+            return nnx.relu(layer(x))
+
+        return self.head(step(x, self.body))
+
+
 def test_only_the_first_layer_of_a_stack_gets_signs():
-    @nnx.split_rngs(splits=3)
-    @nnx.vmap(axis_size=3)
-    def body(rngs):
-        return nnx.Linear(8, 8, rngs=rngs)
-
-    class Scanned(nnx.Module):
-        def __init__(self, rngs):
-            self.body = body(rngs)
-            self.head = nnx.Linear(8, 2, rngs=rngs)
-
-        def __call__(self, x):
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def step(x, layer):
-                return nnx.relu(layer(x))
-
-            return self.head(step(x, self.body))
-
     model = Scanned(nnx.Rngs(0))
     ensemble = ensembles.to_batch_ensemble(model, num_members=E, rngs=nnx.Rngs(1))
     r = np.asarray(ensemble.body.r[...])  # [layers, E, in]

@@ -47,6 +47,7 @@ __all__ = [
     "member_slice",
     "new_param",
     "norm_param",
+    "shape_checked",
 ]
 
 #: The defaults of every BatchEnsemble weight layer: Flax's for the kernel and
@@ -146,14 +147,42 @@ def new_param(
     Raises:
       ValueError: if the initializer made another shape.
     """
-    value = initializer(rngs.params(), tuple(shape), dtype)
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(
-            f"`{name}` returned an array of shape {tuple(value.shape)}, but the "
-            f"layer needs shape {tuple(shape)}: pass an initializer that honours "
-            f"its `shape` argument."
-        )
+    value = shape_checked(initializer, name)(rngs.params(), tuple(shape), dtype)
     return variable_type(value, **metadata)
+
+
+def shape_checked(
+    initializer: Callable[..., jax.Array], name: str
+) -> Callable[..., jax.Array]:
+    """``initializer``, refusing by ``name`` an array of a shape it was not asked for.
+
+    >>> import jax, jax.numpy as jnp
+    >>> init = shape_checked(lambda key, shape, dtype: jnp.ones(3), "r_init")
+    >>> init(jax.random.key(0), (2, 3), jnp.float32)
+    Traceback (most recent call last):
+    ValueError: `r_init` returned an array of shape (3,), but the layer needs shape...
+
+    Args:
+      initializer: called as ``initializer(key, shape, dtype)``.
+      name: the argument that passed it, for the error.
+
+    Returns:
+      An initializer that raises a ``ValueError`` naming ``name`` where
+      ``initializer`` made another shape than asked for (an array that a
+      later ``.at[...].set`` or broadcast would take silently).
+    """
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any) -> jax.Array:
+        value = initializer(key, shape, dtype)
+        if tuple(jnp.shape(value)) != tuple(shape):
+            raise ValueError(
+                f"`{name}` returned an array of shape {tuple(jnp.shape(value))}, "
+                f"but the layer needs shape {tuple(shape)}: pass an initializer "
+                f"that honours its `shape` argument."
+            )
+        return value
+
+    return init
 
 
 def copy_of(variable: nnx.Variable) -> Callable[..., jax.Array]:
@@ -214,16 +243,11 @@ def flat_initializer(
     """
     check_initializer(initializer, name)
 
+    checked = shape_checked(initializer, name)
+
     def init(key, shape, dtype):
         flat_shape = (math.prod(shape[:num_rows]), math.prod(shape[num_rows:]))
-        value = initializer(key, flat_shape, dtype)
-        if tuple(value.shape) != flat_shape:
-            raise ValueError(
-                f"`{name}` returned an array of shape {tuple(value.shape)}, but "
-                f"the layer asked for shape {flat_shape}: pass an initializer "
-                f"that honours its `shape` argument."
-            )
-        return jnp.reshape(value, shape)
+        return jnp.reshape(checked(key, flat_shape, dtype), shape)
 
     return init
 

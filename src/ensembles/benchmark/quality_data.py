@@ -57,8 +57,10 @@ class QualityData:
 
     Examples may have any shape, the same in every set (MNIST-1D's are
     ``[40]`` sequences, digits' ``[8, 8]`` images, the tabular task's ``[20]``
-    rows); labels are integers in ``[0, C)``. The sets are checked when the
-    data is built, so that a mistake surfaces before anything trains.
+    rows), with finite values; labels are integers in ``[0, C)`` or, with
+    ``regression=True``, real targets ``[N]`` (or ``[N, D]``, the same D in
+    every set). The sets are checked when the data is built, so that a
+    mistake surfaces before anything trains.
 
     >>> import numpy as np
     >>> from ensembles.benchmark import QualityData
@@ -71,10 +73,15 @@ class QualityData:
     Traceback (most recent call last):
     ...
     ValueError: `shifted` must map at least one severity to ...
+    >>> targets = x.sum(axis=1) + 0.5                     # a regression task
+    >>> QualityData(x, targets, x, targets, shifted={"mild": {"noise": (x, targets)}},
+    ...             ood={}, regression=True).target_shape
+    ()
 
     Attributes:
       x_train: ``[N, ...]`` training examples.
-      y_train: their ``[N]`` integer labels.
+      y_train: their ``[N]`` integer labels (regression: ``[N]`` or ``[N, D]``
+        real targets).
       x_test: in-distribution test examples.
       y_test: their labels.
       shifted: ``{severity: {family: (x, y)}}``: one or more severities (an
@@ -92,12 +99,19 @@ class QualityData:
         training set (:func:`~ensembles.benchmark.quality.split_validation`).
         Never the test set.
       y_valid: their labels (given with ``x_valid``, or ``None``).
+      regression: the targets are real numbers, not class labels: the
+        benchmark trains Gaussian-head regressors (``docs/regression.md``).
+      noise_std: regression only, optional: the true standard deviation of
+        each test target's noise ``[N_test]`` (``[N_test, D]``), known for a
+        synthetic task: the benchmark then scores the members' aleatoric
+        spread against it.
 
     Raises:
-      TypeError: if a set is not an array, labels are not integers, or a
-        severity or name has the wrong type.
+      TypeError: if a set is not an array, labels are not integers (or
+        targets not real numbers), or a severity or name has the wrong type.
       ValueError: if shapes disagree (examples of another shape, labels of
-        another length), a label is negative, or ``shifted`` is empty.
+        another length), an example or target is NaN or infinite, a label is
+        negative, or ``shifted`` is empty.
     """
 
     x_train: np.ndarray
@@ -109,6 +123,8 @@ class QualityData:
     name: str = "mnist1d"
     x_valid: np.ndarray | None = None
     y_valid: np.ndarray | None = None
+    regression: bool = False
+    noise_std: np.ndarray | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -116,9 +132,18 @@ class QualityData:
                 f"`name` must be a str, got {self.name!r} of type "
                 f"{type(self.name).__name__}."
             )
+        if not isinstance(self.regression, bool):
+            raise TypeError(
+                f"`regression` must be a bool, got {self.regression!r} of type "
+                f"{type(self.regression).__name__}."
+            )
         example = _examples(self.x_train, "x_train").shape[1:]
-        _labelled(self.x_train, self.y_train, "x_train", "y_train", example)
-        _labelled(self.x_test, self.y_test, "x_test", "y_test", example)
+        targets = None
+        if self.regression:
+            targets = tuple(np.shape(self.y_train)[1:])
+        _labelled(self.x_train, self.y_train, "x_train", "y_train", example, targets)
+        _labelled(self.x_test, self.y_test, "x_test", "y_test", example, targets)
+        self._check_noise_std()
         if (self.x_valid is None) != (self.y_valid is None):
             raise ValueError(
                 "`x_valid` and `y_valid` go together: give both (a validation "
@@ -126,7 +151,9 @@ class QualityData:
                 "the training set)."
             )
         if self.x_valid is not None:
-            _labelled(self.x_valid, self.y_valid, "x_valid", "y_valid", example)
+            _labelled(
+                self.x_valid, self.y_valid, "x_valid", "y_valid", example, targets
+            )
         if not isinstance(self.shifted, dict) or not self.shifted:
             raise ValueError(
                 f"`shifted` must map at least one severity to {{family: (x, y)}}, "
@@ -159,7 +186,7 @@ class QualityData:
                         f"{_brief(pair)}."
                     )
                 name = f"{where}[{family!r}]"
-                _labelled(*pair, f"{name}[0]", f"{name}[1]", example)
+                _labelled(*pair, f"{name}[0]", f"{name}[1]", example, targets)
         if not isinstance(self.ood, dict):
             raise TypeError(
                 f"`ood` must be a dict {{name: x}} (possibly empty), got "
@@ -173,6 +200,32 @@ class QualityData:
                 )
             _examples(x, f"ood[{name!r}]", example)
 
+    def _check_noise_std(self) -> None:
+        if self.noise_std is None:
+            return
+        if not self.regression:
+            raise ValueError(
+                "`noise_std` (the test targets' true noise) is for regression "
+                "data: pass regression=True, or leave noise_std out."
+            )
+        noise = np.asarray(self.noise_std)
+        if noise.shape != np.shape(self.y_test):
+            raise ValueError(
+                f"`noise_std` must have the test targets' shape "
+                f"{np.shape(self.y_test)}, got {noise.shape}."
+            )
+        if not (np.isfinite(noise) & (noise > 0)).all():
+            raise ValueError("`noise_std` must hold positive, finite numbers.")
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """Regression: one example's targets, ``()`` or ``(D,)``."""
+        if not self.regression:
+            raise ValueError(
+                "classification data has labels, not targets: see `num_classes`."
+            )
+        return tuple(np.shape(self.y_train)[1:])
+
     @property
     def severities(self) -> tuple[Any, ...]:
         """The severities of :attr:`shifted`, in the order they are reported."""
@@ -180,7 +233,11 @@ class QualityData:
 
     @property
     def num_classes(self) -> int:
-        """C: one more than the largest label of any set."""
+        """C: one more than the largest label of any set (classification)."""
+        if self.regression:
+            raise ValueError(
+                "regression data has real targets, not classes: see `target_shape`."
+            )
         labelled = [self.y_train, self.y_test]
         if self.y_valid is not None:
             labelled.append(self.y_valid)
@@ -209,6 +266,13 @@ def _examples(x: Any, name: str, example: tuple[int, ...] | None = None) -> np.n
         )
     if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise TypeError(f"`{name}` must hold real numbers, got dtype {x.dtype}.")
+    if not np.isfinite(x).all():
+        index = np.unravel_index(int(np.argmax(~np.isfinite(x))), x.shape)
+        raise ValueError(
+            f"`{name}` must hold finite numbers, got {name}[{index[0]}] with "
+            f"{x[index]} at {index[1:] or 'its only entry'}: drop or impute such "
+            f"examples before the benchmark trains on or scores them."
+        )
     if example is not None and x.shape[1:] != example:
         raise ValueError(
             f"`{name}` holds examples of shape {x.shape[1:]}, but the training "
@@ -218,16 +282,24 @@ def _examples(x: Any, name: str, example: tuple[int, ...] | None = None) -> np.n
     return x
 
 
-def _labelled(x: Any, y: Any, x_name: str, y_name: str, example) -> None:
-    """Checks a labelled set: ``[N, *example]`` examples and ``[N]`` labels."""
+def _labelled(x: Any, y: Any, x_name: str, y_name: str, example, targets=None) -> None:
+    """Checks a labelled set: ``[N, *example]`` examples and ``[N]`` labels.
+
+    With ``targets`` (one example's target shape, regression) the labels are
+    real targets ``[N, *targets]`` instead.
+    """
     x = _examples(x, x_name, example)
     if y is None or not hasattr(y, "shape") or not hasattr(y, "dtype"):
         raise TypeError(f"`{y_name}` must be an array of labels, got {_brief(y)}.")
     y = np.asarray(y)
+    if targets is not None:
+        _regression_targets(y, y_name, len(x), targets)
+        return
     if y.dtype == np.bool_ or not np.issubdtype(y.dtype, np.integer):
         raise TypeError(
             f"`{y_name}` must hold integer class indices, got dtype {y.dtype} "
-            f"(one-hot labels: pass `labels.argmax(-1)`)."
+            f"(one-hot labels: pass `labels.argmax(-1)`; real-valued targets "
+            f"are a regression task: pass `regression=True`)."
         )
     if y.shape != (len(x),):
         raise ValueError(
@@ -236,6 +308,27 @@ def _labelled(x: Any, y: Any, x_name: str, y_name: str, example) -> None:
         )
     if (y < 0).any():
         raise ValueError(f"`{y_name}` must hold labels >= 0, got {int(y.min())}.")
+
+
+def _regression_targets(
+    y: np.ndarray, name: str, count: int, targets: tuple[int, ...]
+) -> None:
+    """Checks real targets: ``[count, *targets]``, finite, one or no output axis."""
+    if y.dtype == np.bool_ or not (
+        np.issubdtype(y.dtype, np.floating) or np.issubdtype(y.dtype, np.integer)
+    ):
+        raise TypeError(f"`{name}` must hold real targets, got dtype {y.dtype}.")
+    if len(targets) > 1 or y.shape != (count, *targets):
+        raise ValueError(
+            f"`{name}` must have shape [N] or [N, D] like `y_train` "
+            f"({(count, *targets)} here), one target (row) per example, got "
+            f"shape {y.shape}."
+        )
+    if not np.isfinite(y).all():
+        raise ValueError(
+            f"`{name}` must hold finite targets, got "
+            f"{y.reshape(-1)[np.argmax(~np.isfinite(y.reshape(-1)))]} in it."
+        )
 
 
 def _mnist1d() -> Any:

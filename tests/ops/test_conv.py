@@ -5,16 +5,21 @@ Their numerics are tested through the layers against nnx.Conv / ConvTranspose
 formula and the errors, which must name the argument and show the value.
 """
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ensembles
 from ensembles.ops import (
     batch_ensemble_conv,
     batch_ensemble_conv_transpose,
     conv,
     conv_transpose,
+    impls,
 )
 from ensembles.ops.conv import effective_kernel
 from tests.reference import conv_effective_kernel
@@ -64,9 +69,27 @@ def test_grouped_effective_kernel_by_hand():
     )
 
 
-def test_impls():
-    # One implementation each: the jnp formulation ("auto" is gone).
-    assert conv.IMPLS == conv_transpose.IMPLS == ("xla",)
+def test_impls_are_decided_in_one_place():
+    # One implementation for both convolutions: the jnp formulation ("auto"
+    # is gone). Which op has which implementation is written down once, in
+    # ops/impls.py: the three tuples that stood in dense.py, conv.py and
+    # conv_transpose.py could drift apart.
+    assert impls.CONV_IMPLS == ("xla",)
+    assert impls.IMPLS == ensembles.ops.IMPLS == ("xla", "pallas")
+    source = pathlib.Path(ensembles.__file__).parent
+    defined = [
+        (path.relative_to(source).as_posix(), line)
+        for path in sorted(source.rglob("*.py"))
+        for line in path.read_text().splitlines()
+        if re.match(r"\s*\w*IMPLS\b[^=]*=(?!=)", line)
+    ]
+    assert defined == [
+        ("ops/impls.py", 'IMPLS: tuple[str, ...] = ("xla", "pallas")'),
+        ("ops/impls.py", 'CONV_IMPLS: tuple[str, ...] = ("xla",)'),
+    ]
+    for op in (conv.batch_ensemble_conv, conv_transpose.batch_ensemble_conv_transpose):
+        with pytest.raises(ValueError, match=r"`impl` must be one of \['xla'\]"):
+            op(*conv_args()[:4], num_members=2, impl="pallas")
 
 
 def conv_args(num_members=2, batch=3, in_features=4, out_features=6):

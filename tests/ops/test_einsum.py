@@ -17,7 +17,7 @@ from flax import nnx
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from ensembles.ops import batch_ensemble_einsum, dense
+from ensembles.ops import IMPLS, batch_ensemble_einsum, dense
 from tests.covering import covering
 from tests.reference import cotangent_loss, random_cotangent
 from tests.tolerances import assert_close, assert_close_to_scale
@@ -208,7 +208,7 @@ def pallas_interpreted_off_gpu(monkeypatch):
     monkeypatch.setattr(dense, "dense_rows", interpreted)
 
 
-@pytest.mark.parametrize("impl", dense.IMPLS)
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ["gemma_qkv", "member_not_first", "ellipsis"])
 def test_impls_match_reference(impl, name, pallas_interpreted_off_gpu):
     config, *args = make_args(name, 3, jnp.float32)

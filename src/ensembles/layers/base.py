@@ -23,7 +23,7 @@ from flax import nnx
 
 from ensembles._checks import as_array, check_bool, check_choice
 from ensembles.layers.stacking import layer_axes, reference_parameter
-from ensembles.ops.dense import IMPLS
+from ensembles.ops.impls import IMPLS
 from ensembles.ops.posterior import sample_fast_weights
 
 __all__ = [

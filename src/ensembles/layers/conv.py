@@ -31,6 +31,7 @@ from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
 from ensembles.ops import conv, conv_options
+from ensembles.ops.impls import CONV_IMPLS
 
 __all__ = ["BatchEnsembleConv"]
 
@@ -128,7 +129,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
     layer always computes with ``jax.lax.conv_general_dilated``.
     """
 
-    _impls = conv.IMPLS
+    _impls = CONV_IMPLS
 
     def __init__(
         self,
@@ -195,7 +196,7 @@ class BatchEnsembleConv(BatchEnsembleModule):
             check_weight_options(
                 num_members,
                 impl,
-                conv.IMPLS,
+                self._impls,
                 posterior,
                 prior_stddev,
                 deterministic,

@@ -29,6 +29,7 @@ from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
 from ensembles.ops import conv, conv_options, conv_transpose
+from ensembles.ops.impls import CONV_IMPLS
 
 __all__ = ["BatchEnsembleConvTranspose"]
 
@@ -119,7 +120,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = conv_transpose.IMPLS
+    _impls = CONV_IMPLS
 
     def __init__(
         self,
@@ -176,7 +177,7 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
             check_weight_options(
                 num_members,
                 impl,
-                conv_transpose.IMPLS,
+                self._impls,
                 posterior,
                 prior_stddev,
                 deterministic,

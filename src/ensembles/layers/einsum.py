@@ -29,7 +29,8 @@ from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
-from ensembles.ops import dense, einsum
+from ensembles.ops import einsum
+from ensembles.ops.impls import IMPLS
 
 __all__ = ["BatchEnsembleEinsum"]
 
@@ -127,7 +128,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
     computes with ``jnp.einsum``'s semantics.
     """
 
-    _impls = dense.IMPLS
+    _impls = IMPLS
 
     def __init__(
         self,
@@ -165,7 +166,7 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
             check_weight_options(
                 num_members,
                 impl,
-                dense.IMPLS,
+                self._impls,
                 posterior,
                 prior_stddev,
                 deterministic,

@@ -31,6 +31,7 @@ from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
 from ensembles.ops import dense
+from ensembles.ops.impls import IMPLS
 
 __all__ = ["BatchEnsembleLinear"]
 
@@ -111,7 +112,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = dense.IMPLS
+    _impls = IMPLS
 
     def __init__(
         self,
@@ -146,7 +147,7 @@ class BatchEnsembleLinear(BatchEnsembleModule):
             check_weight_options(
                 num_members,
                 impl,
-                dense.IMPLS,
+                self._impls,
                 posterior,
                 prior_stddev,
                 deterministic,

@@ -34,7 +34,8 @@ from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
 from ensembles.layers.stacking import over_layer_axes
 from ensembles.layers.weights import check_weight_options, from_flax_layer, new_weights
-from ensembles.ops import dense, dense_general
+from ensembles.ops import dense_general
+from ensembles.ops.impls import IMPLS
 
 __all__ = ["BatchEnsembleLinearGeneral"]
 
@@ -160,7 +161,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
       fast_weight_metadata: metadata of the ``r`` and ``s`` fast weights.
     """
 
-    _impls = dense.IMPLS
+    _impls = IMPLS
 
     def __init__(
         self,
@@ -225,7 +226,7 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
             check_weight_options(
                 num_members,
                 impl,
-                dense.IMPLS,
+                self._impls,
                 posterior,
                 prior_stddev,
                 deterministic,

@@ -5,7 +5,7 @@ Plain functions of arguments, called in plain sight by each layer's
 which stores every option itself) and ``from_*``::
 
     num_members, impl, posterior, prior_stddev, deterministic, rng_collection = (
-        check_weight_options(num_members, impl, dense.IMPLS, posterior, ...)
+        check_weight_options(num_members, impl, self._impls, posterior, ...)
     )
     (self.kernel, self.r, self.s, self.bias, self.r_unconstrained_stddev,
      self.s_unconstrained_stddev, self.rngs) = new_weights(rngs, ...)

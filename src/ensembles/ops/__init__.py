@@ -11,9 +11,10 @@ take ``impl="pallas"``: the fused kernels of
 
 from ensembles.ops.conv import batch_ensemble_conv
 from ensembles.ops.conv_transpose import batch_ensemble_conv_transpose
-from ensembles.ops.dense import IMPLS, batch_ensemble_dense
+from ensembles.ops.dense import batch_ensemble_dense
 from ensembles.ops.dense_general import batch_ensemble_dense_general
 from ensembles.ops.einsum import batch_ensemble_einsum
+from ensembles.ops.impls import IMPLS
 from ensembles.ops.normalization import (
     ensemble_batch_norm,
     ensemble_batch_statistics,

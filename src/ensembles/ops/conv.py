@@ -52,11 +52,9 @@ from ensembles.ops.conv_options import (
     flatten_batch,
     spatial_tuple,
 )
+from ensembles.ops.impls import CONV_IMPLS
 
-__all__ = ["IMPLS", "batch_ensemble_conv", "conv_rows", "effective_kernel"]
-
-#: What ``impl`` may name for the convolutions: the ``jnp`` formula.
-IMPLS: tuple[str, ...] = ("xla",)
+__all__ = ["batch_ensemble_conv", "conv_rows", "effective_kernel"]
 
 
 def _conv(x, kernel, options):
@@ -372,7 +370,7 @@ def batch_ensemble_conv(
       TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)
-    check_choice(impl, "impl", IMPLS)
+    check_choice(impl, "impl", CONV_IMPLS)
     groups = check_positive_int(feature_group_count, "feature_group_count")
     inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if kernel.ndim < 3:

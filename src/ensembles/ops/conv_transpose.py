@@ -29,11 +29,9 @@ from ensembles.ops.conv_options import (
     flatten_batch,
     spatial_tuple,
 )
+from ensembles.ops.impls import CONV_IMPLS
 
-#: What ``impl`` may name for the transposed convolution: the ``jnp`` formulation.
-IMPLS: tuple[str, ...] = ("xla",)
-
-__all__ = ["IMPLS", "batch_ensemble_conv_transpose", "conv_transpose_rows"]
+__all__ = ["batch_ensemble_conv_transpose", "conv_transpose_rows"]
 
 
 def conv_transpose_rows(
@@ -176,7 +174,7 @@ def batch_ensemble_conv_transpose(
       TypeError: if ``num_members`` or an option has the wrong type.
     """
     num_members = check_num_members(num_members)
-    check_choice(impl, "impl", IMPLS)
+    check_choice(impl, "impl", CONV_IMPLS)
     transpose_kernel = check_bool(transpose_kernel, "transpose_kernel")
     inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     if kernel.ndim < 3:

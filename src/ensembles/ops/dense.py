@@ -46,9 +46,9 @@ from ensembles._checks import (
     check_member_params,
     check_num_members,
 )
+from ensembles.ops.impls import IMPLS
 
 __all__ = [
-    "IMPLS",
     "MEMBER_BACKWARD_MIN_ROWS",
     "batch_ensemble_dense",
     "check_shapes",
@@ -56,11 +56,6 @@ __all__ = [
     "dense_rows",
     "rows_may_be_sharded",
 ]
-
-#: What ``impl`` may name for the dense-like ops (dense, general, einsum):
-#: ``"xla"``, the ``jnp`` formula (the default, on every backend), and
-#: ``"pallas"``, the fused kernel of :mod:`ensembles.experimental.pallas`.
-IMPLS: tuple[str, ...] = ("xla", "pallas")
 
 _FLAT = (((1,), (0,)), ((), ()))  # [rows, in] @ [in, out]
 

@@ -36,6 +36,7 @@ from ensembles._checks import (
     check_num_members,
 )
 from ensembles.ops import dense
+from ensembles.ops.impls import IMPLS
 
 __all__ = ["batch_ensemble_dense_general", "normalize_axes"]
 
@@ -264,7 +265,7 @@ def batch_ensemble_dense_general(
       TypeError: if ``num_members`` or an axis is not an int.
     """
     num_members = check_num_members(num_members)
-    impl = check_choice(impl, "impl", dense.IMPLS)
+    impl = check_choice(impl, "impl", IMPLS)
     try:
         if isinstance(num_batch_axes, bool):
             raise TypeError

@@ -40,6 +40,7 @@ from ensembles._checks import (
     check_num_members,
 )
 from ensembles.ops import dense
+from ensembles.ops.impls import IMPLS
 
 __all__ = [
     "Subscripts",
@@ -407,7 +408,7 @@ def batch_ensemble_einsum(
         int.
     """
     num_members = check_num_members(num_members)
-    impl = check_choice(impl, "impl", dense.IMPLS)
+    impl = check_choice(impl, "impl", IMPLS)
     inputs, kernel, r, s, bias = as_operands(inputs, kernel, r, s, bias)
     subscripts = parse(einsum_str, inputs.ndim)
     _check_shapes(subscripts, inputs, kernel, r, s, bias, num_members)

@@ -31,12 +31,12 @@ from ensembles.benchmark.models import (
 from ensembles.benchmark.quality import (
     METRICS,
     VALIDATION_FRACTION,
-    check_run,
     evaluate,
     run_quality,
     split_validation,
     validation_size,
 )
+from ensembles.benchmark.quality_checks import check_run
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
     SHIFTS,
@@ -49,10 +49,14 @@ from ensembles.benchmark.quality_methods import (
     train_method,
 )
 from ensembles.benchmark.quality_models import QUALITY_MODELS, build_quality_model
+from ensembles.benchmark.quality_plots import write_quality_plot
+from ensembles.benchmark.quality_regression import (
+    REGRESSION_METRICS,
+    evaluate_regression,
+)
 from ensembles.benchmark.quality_report import (
     format_quality,
     summarize,
-    write_quality_plot,
 )
 from ensembles.benchmark.speed import run_benchmark
 from ensembles.benchmark.timing import (
@@ -75,6 +79,7 @@ __all__ = [
     "NUM_CLASSES",
     "QUALITY_METHODS",
     "QUALITY_MODELS",
+    "REGRESSION_METRICS",
     "SEVERITIES",
     "SHIFTS",
     "VALIDATION_FRACTION",
@@ -88,6 +93,7 @@ __all__ = [
     "check_convertible",
     "check_run",
     "evaluate",
+    "evaluate_regression",
     "format_quality",
     "interleaved_times",
     "load_quality_data",

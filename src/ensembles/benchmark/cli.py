@@ -41,10 +41,10 @@ from ensembles.benchmark.models import (
 from ensembles.benchmark.quality import check_run, run_quality, validation_size
 from ensembles.benchmark.quality_methods import QUALITY_METHODS
 from ensembles.benchmark.quality_models import QUALITY_MODELS
+from ensembles.benchmark.quality_plots import write_quality_plot
 from ensembles.benchmark.quality_report import (
     format_quality,
     summarize,
-    write_quality_plot,
 )
 from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, TASKS, load_task
 from ensembles.benchmark.report import (

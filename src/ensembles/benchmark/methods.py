@@ -39,6 +39,7 @@ from flax import nnx
 
 import ensembles
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, build_model, model_inputs
+from ensembles.benchmark.steps import compile_train, merge, rest_of, train_loss
 
 __all__ = [
     "LEARNING_RATE",
@@ -116,6 +117,9 @@ class Prepared:
       num_params: number of parameters of the whole method (all members).
       param_bytes: bytes of those parameters.
       memory: XLA's memory analysis of the compiled step.
+      loss: what a train step minimises (``steps.train_loss``): ``"softmax
+        cross-entropy"``, or ``"squared error"`` for a model with one
+        output; ``None`` for a forward step.
     """
 
     method: str
@@ -124,6 +128,7 @@ class Prepared:
     num_params: int
     param_bytes: int
     memory: MemoryStats
+    loss: str | None = None
 
 
 def check_convertible(model: str, impl: str = "xla") -> None:
@@ -206,7 +211,8 @@ def prepare_method(
       method: one of :data:`METHODS`.
       model: one of :data:`~ensembles.benchmark.MODELS`, or a factory
         ``rngs -> nnx.Module`` (train: softmax cross-entropy over its
-        outputs' last axis).
+        outputs' last axis; with one output, where that is identically 0,
+        the squared error against standard-normal targets).
       mode: one of :data:`MODES`.
       num_members: the ensemble size E.
       batch: samples per member B.
@@ -286,21 +292,6 @@ def _convert(base, num_members, fast_weight_init, seed, posterior):
     return converted
 
 
-def _optax():
-    try:
-        import optax
-    except ImportError as error:
-        raise ImportError(
-            "mode 'train' needs optax: pip install 'ensembles[bench]'."
-        ) from error
-    return optax
-
-
-def _cross_entropy(logits, labels):
-    optax = _optax()
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def _count(params) -> tuple[int, int]:
     leaves = jax.tree.leaves(params)
     return (
@@ -319,51 +310,12 @@ def _memory(compiled, calls: int = 1) -> MemoryStats:
     )
 
 
-def _merge(graphdef, params, rest):
-    # Fresh Variables for `rest`, made in the current trace: a train step's
-    # forward runs under jax.grad, a trace inside jit's, where a layer that
-    # updates its state on every call (nnx.Dropout's and a rank-1 layer's rng
-    # count, nnx.BatchNorm's statistics) cannot update Variables made at jit's
-    # level ("Cannot extract graph node from different trace level").
-    return nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
-
-
-def _rest(model):
-    """The model's state that is not a parameter, as the forward left it."""
-    return nnx.split(model, nnx.Param, ...)[2]
-
-
-def _train_step(loss_fn, tx):
-    """A step of (params, opt_state, rest, x, y) -> (params, opt_state, rest, loss).
-
-    ``loss_fn(params, rest, x, y)`` returns ``(objective, (loss, rest))``.
-    """
-    optax = _optax()
-
-    def step(params, opt_state, rest, x, y):
-        (_, (loss, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, x, y
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, rest, loss
-
-    return step
-
-
-def _compile_train(loss_fn, params, rest, x, y):
-    """Compiles a train step; its parameters, optimizer state and rest are donated."""
-    tx = _optax().adam(LEARNING_RATE)
-    opt_state = tx.init(params)
-    step = jax.jit(_train_step(loss_fn, tx), donate_argnums=(0, 1, 2))
-    return step.lower(params, opt_state, rest, x, y).compile(), opt_state, tx
-
-
 def _prepare_one(method, module, mode, x, labels) -> Prepared:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     num_params, param_bytes = _count(params)
 
     def forward(params, rest, x):
-        return _merge(graphdef, params, rest)(x)
+        return merge(graphdef, params, rest)(x)
 
     if mode == "forward":
         compiled = jax.jit(forward).lower(params, rest, x).compile()
@@ -376,15 +328,19 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
             _memory(compiled),
         )
 
+    loss_name, loss_of = train_loss(labels)
+
     def loss_fn(params, rest, x, y):
-        model = _merge(graphdef, params, rest)
-        loss = _cross_entropy(model(x), y)
+        model = merge(graphdef, params, rest)
+        loss = loss_of(model(x), y)
         if method == "rank1":
             # The rank-1 loss (docs/rank1.md), over a data set of these rows.
             loss = loss + ensembles.kl_divergence(model) / x.shape[0]
-        return loss, (loss, _rest(model))
+        return loss, (loss, rest_of(model))
 
-    compiled, opt_state, _ = _compile_train(loss_fn, params, rest, x, labels)
+    compiled, opt_state, _ = compile_train(
+        loss_fn, params, rest, x, labels, learning_rate=LEARNING_RATE
+    )
     state = {"params": params, "opt_state": opt_state, "rest": rest}
 
     def step():
@@ -400,6 +356,7 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
         num_params,
         param_bytes,
         _memory(compiled),
+        loss_name,
     )
 
 
@@ -411,9 +368,9 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
     num_params, param_bytes = _count(params)
 
     def forward(params, rest, xs):
-        stacked = _merge(graphdef, params, rest)
+        stacked = merge(graphdef, params, rest)
         out = nnx.vmap(lambda model, x: model(x), in_axes=(0, 0))(stacked, xs)
-        return out, _rest(stacked)
+        return out, rest_of(stacked)
 
     if mode == "forward":
 
@@ -431,13 +388,17 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
             _memory(compiled),
         )
 
+    loss_name, loss_of = train_loss(ys)
+
     def loss_fn(params, rest, xs, ys):
         logits, rest = forward(params, rest, xs)
-        losses = jax.vmap(_cross_entropy)(logits, ys)
+        losses = jax.vmap(loss_of)(logits, ys)
         # Each model's gradient is that of its own mean loss, as in the loop.
         return jnp.sum(losses), (losses, rest)
 
-    compiled, opt_state, _ = _compile_train(loss_fn, params, rest, xs, ys)
+    compiled, opt_state, _ = compile_train(
+        loss_fn, params, rest, xs, ys, learning_rate=LEARNING_RATE
+    )
     state = {"params": params, "opt_state": opt_state, "rest": rest}
 
     def step():
@@ -453,6 +414,7 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
         num_params,
         param_bytes,
         _memory(compiled),
+        loss_name,
     )
 
 
@@ -469,7 +431,7 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
     calls = len(members)
 
     def forward(params, rest, x):
-        return _merge(graphdef, params, rest)(x)
+        return merge(graphdef, params, rest)(x)
 
     if mode == "forward":
         compiled = jax.jit(forward).lower(params[0], rests[0], xs[0]).compile()
@@ -489,12 +451,16 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
             _memory(compiled, calls),
         )
 
-    def loss_fn(params, rest, x, y):
-        model = _merge(graphdef, params, rest)
-        loss = _cross_entropy(model(x), y)
-        return loss, (loss, _rest(model))
+    loss_name, loss_of = train_loss(ys[0])
 
-    compiled, _, tx = _compile_train(loss_fn, params[0], rests[0], xs[0], ys[0])
+    def loss_fn(params, rest, x, y):
+        model = merge(graphdef, params, rest)
+        loss = loss_of(model(x), y)
+        return loss, (loss, rest_of(model))
+
+    compiled, _, tx = compile_train(
+        loss_fn, params[0], rests[0], xs[0], ys[0], learning_rate=LEARNING_RATE
+    )
     opt_states = [tx.init(p) for p in params]
 
     def step():
@@ -513,4 +479,5 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
         num_params,
         param_bytes,
         _memory(compiled, calls),
+        loss_name,
     )

@@ -117,7 +117,7 @@ def model_inputs(
     input_shape: Sequence[int] | None = None,
     seed: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Random inputs and integer class labels for ``build_model(name, ...)``.
+    """Random inputs and labels (or regression targets) for ``build_model(name, ...)``.
 
     For a factory, ``input_shape`` is one example's shape; the labels take the
     shape of its outputs but the last axis (classes), read from an abstract
@@ -133,6 +133,11 @@ def model_inputs(
     >>> x, labels = model_inputs(tagger, 6, input_shape=(7, 16))
     >>> x.shape, labels.shape
     ((6, 7, 16), (6, 7))
+    >>> def regressor(rngs):                   # [N, 16] -> [N, 1]
+    ...     return nnx.Linear(16, 1, rngs=rngs)
+    >>> x, targets = model_inputs(regressor, 6, input_shape=(16,))
+    >>> targets.shape, str(targets.dtype)
+    ((6,), 'float32')
 
     Args:
       name: one of :data:`MODELS`, or a factory ``rngs -> nnx.Module``.
@@ -144,8 +149,12 @@ def model_inputs(
       seed: numpy seed of the draw.
 
     Returns:
-      ``(x, labels)``: standard-normal float32 ``x`` and labels in
-      ``[0, outputs)``, where ``outputs`` is the model's last dimension.
+      ``(x, labels)``: standard-normal float32 ``x`` and int32 labels in
+      ``[0, outputs)``, where ``outputs`` is the model's last dimension; for a
+      model with one output (a regressor, whose softmax cross-entropy would
+      be identically 0), standard-normal float32 targets instead, which the
+      train steps fit by the squared error
+      (:func:`~ensembles.benchmark.steps.train_loss`).
 
     Raises:
       ValueError: if a factory comes without ``input_shape``.
@@ -160,17 +169,22 @@ def model_inputs(
         shape = (num_samples, *(int(d) for d in input_shape))
         x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
         out = jax.eval_shape(lambda x: name(nnx.Rngs(0))(x), x[:1])
-        labels = rng.integers(0, out.shape[-1], (num_samples, *out.shape[1:-1]))
-        return x, jnp.asarray(labels, jnp.int32)
-    width = _width(name, width)
-    if name == "cnn":
-        shape: tuple[int, ...] = (num_samples, image_size, image_size, 3)
+        outputs, label_shape = out.shape[-1], (num_samples, *out.shape[1:-1])
     else:
-        shape = (num_samples, width)
-    outputs = width if name == "linear" else NUM_CLASSES
-    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    labels = jnp.asarray(rng.integers(0, outputs, num_samples), jnp.int32)
-    return x, labels
+        width = _width(name, width)
+        if name == "cnn":
+            shape: tuple[int, ...] = (num_samples, image_size, image_size, 3)
+        else:
+            shape = (num_samples, width)
+        outputs = width if name == "linear" else NUM_CLASSES
+        label_shape = (num_samples,)
+        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    if outputs == 1:
+        # A softmax over one output is 1 whatever the model computes: its
+        # cross-entropy is identically 0, and a train step would have no
+        # gradient. Such a model is a regressor: give it targets.
+        return x, jnp.asarray(rng.standard_normal(label_shape), jnp.float32)
+    return x, jnp.asarray(rng.integers(0, outputs, label_shape), jnp.int32)
 
 
 def model_name(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:

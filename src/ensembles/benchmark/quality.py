@@ -7,13 +7,17 @@ It trains one model, a BatchEnsemble, a deep ensemble and the other methods
 :mod:`ensembles.uncertainty`, their accuracy, NLL, ECE, Brier score and AURC
 in distribution and at every severity of shift, and how well total entropy
 and mutual information tell out-of-distribution examples from test examples.
+Regression data (``QualityData(..., regression=True)``) are measured by
+:mod:`~ensembles.benchmark.quality_regression` instead: the members'
+Gaussians as their exact mixture, RMSE, NLL, CRPS, calibration and
+intervals.
 
 Every method is measured twice: **as trained**, and **recalibrated**, with
 one temperature of its own (:func:`ensembles.uncertainty.fit_temperature`,
-pool then calibrate) fitted on a validation split held out of the training
-data, never the test set. The recalibrated figures are the fair comparison: a
-method that is only over- or underconfident gains from its temperature what
-any other would.
+pool then calibrate; a regressor: one scale of its predictive's spread)
+fitted on a validation split held out of the training data, never the test
+set. The recalibrated figures are the fair comparison: a method that is only
+over- or underconfident gains from its temperature what any other would.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ensembles import uncertainty
+from ensembles.benchmark.quality_checks import check_run
 from ensembles.benchmark.quality_data import QualityData, load_quality_data
 from ensembles.benchmark.quality_methods import (
     FINETUNE_FRACTION,
@@ -36,18 +40,18 @@ from ensembles.benchmark.quality_methods import (
     Trained,
     train_method,
 )
-from ensembles.benchmark.quality_models import (
-    ModelSpec,
-    build_model,
-    check_model,
-    model_name,
+from ensembles.benchmark.quality_models import ModelSpec, model_name
+from ensembles.benchmark.quality_regression import (
+    TargetScale,
+    evaluate_regression,
+    nan_like,
 )
 
 __all__ = [
     "METRICS",
+    "MIN_REGRESSION_VALIDATION",
     "MIN_VALIDATION",
     "VALIDATION_FRACTION",
-    "check_run",
     "evaluate",
     "run_quality",
     "split_validation",
@@ -71,21 +75,32 @@ VALIDATION_FRACTION: float = 0.1
 #: ``temperature_at_bound``).
 MIN_VALIDATION: int = 300
 
+#: The fewest examples held out of a regression task's training set: every
+#: example informs one scale of the spread, so far fewer identify it.
+MIN_REGRESSION_VALIDATION: int = 50
+
 #: The temperatures :func:`evaluate` fits within (those of
 #: :func:`ensembles.uncertainty.fit_temperature`).
 TEMPERATURE_BOUNDS: tuple[float, float] = (0.05, 20.0)
 
+_MEASURED = ("in_distribution", "shift", "shift_mean", "ood")
+
 _SPLIT_SEED = 20261126  # the validation split is the same for every seed
 
 
-def validation_size(count: int, fraction: float = VALIDATION_FRACTION) -> int:
+def validation_size(
+    count: int, fraction: float = VALIDATION_FRACTION, *, regression: bool = False
+) -> int:
     """How many of ``count`` training examples :func:`split_validation` holds out.
 
     >>> from ensembles.benchmark.quality import validation_size
     >>> validation_size(8000), validation_size(1197), validation_size(100)
     (800, 300, 50)
+    >>> validation_size(458, regression=True), validation_size(5000, regression=True)
+    (50, 500)
     """
-    return min(max(round(fraction * count), MIN_VALIDATION), count // 2)
+    least = MIN_REGRESSION_VALIDATION if regression else MIN_VALIDATION
+    return min(max(round(fraction * count), least), count // 2)
 
 
 def split_validation(
@@ -97,7 +112,9 @@ def split_validation(
     keeps it and trains on all of ``x_train``; otherwise ``fraction`` of the
     training examples, but at least :data:`MIN_VALIDATION` and at most half
     of them (a fixed, seeded choice, the same for every method and seed), are
-    held out and the rest train. The test and shifted sets are never touched.
+    held out and the rest train (regression: at least
+    :data:`MIN_REGRESSION_VALIDATION`). The test and shifted sets are never
+    touched.
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality import split_validation
@@ -120,7 +137,7 @@ def split_validation(
     if data.x_valid is not None:
         return data, np.asarray(data.x_valid), np.asarray(data.y_valid)
     count = len(data.x_train)
-    held = validation_size(count, fraction)
+    held = validation_size(count, fraction, regression=data.regression)
     if not 0 < held < count:
         raise ValueError(
             f"a validation fraction of {fraction} of {count} training examples "
@@ -141,6 +158,8 @@ def split_validation(
         name=data.name,
         x_valid=x_train[valid],
         y_valid=y_train[valid],
+        regression=data.regression,
+        noise_std=data.noise_std,
     )
     return kept, x_train[valid], y_train[valid]
 
@@ -242,102 +261,36 @@ def evaluate(
       Recalibration pools the members before scaling, so the members'
       disagreement, and with it the mutual information, is that of the
       method as trained: ``recalibrated["ood"]`` has the entropy scores only.
+      ``diverged`` says the method's logits on the validation set hold a NaN
+      or infinity (training diverged): no temperature is fitted, its
+      recalibrated figures are NaN, and the other methods' rows stand.
     """
-    temperature = float(
-        uncertainty.fit_temperature(
-            trained.predict(x_valid), np.asarray(y_valid), bounds=TEMPERATURE_BOUNDS
+    valid = trained.predict(x_valid)
+    diverged = not bool(jnp.isfinite(valid).all())
+    temperature = math.nan
+    if not diverged:
+        temperature = float(
+            uncertainty.fit_temperature(
+                valid, np.asarray(y_valid), bounds=TEMPERATURE_BOUNDS
+            )
         )
-    )
     result = _measure_sets(trained.predict, data, mutual_information=True)
     result["temperature"] = temperature
     # At a bound the validation set did not identify T (no errors on it, say).
     result["temperature_at_bound"] = any(
         math.isclose(temperature, bound, rel_tol=1e-3) for bound in TEMPERATURE_BOUNDS
     )
+    result["diverged"] = diverged
+    if diverged:
+        as_trained = {k: v for k, v in result.items() if k in _MEASURED}
+        result["recalibrated"] = nan_like(as_trained)
+        return result
 
     def recalibrated(x: np.ndarray) -> jax.Array:
         return uncertainty.scale_temperature(trained.predict(x), temperature)
 
     result["recalibrated"] = _measure_sets(recalibrated, data, mutual_information=False)
     return result
-
-
-def check_run(
-    models: Sequence[ModelSpec], methods: Sequence[str], data: QualityData
-) -> None:
-    """Raises unless every model can run every method on ``data``.
-
-    What :func:`run_quality` checks before anything trains (the command checks
-    every task's this way before the first trains): the methods' names, each
-    model's name or factory, and one abstract forward pass of each model (no
-    computation) on the data's examples, whose logits must be ``[N, C']``
-    with ``C'`` at least the data's classes.
-
-    Args:
-      models: names or factories, as for :func:`run_quality`.
-      methods: names of methods.
-      data: the data.
-
-    Raises:
-      ValueError: naming the method or model that cannot run, and why.
-      TypeError: if ``data`` is not a :class:`QualityData` or a model is
-        neither a name nor a factory.
-    """
-    if not isinstance(data, QualityData):
-        raise TypeError(
-            f"`data` must be an `ensembles.benchmark.QualityData` (or None for "
-            f"the standard MNIST-1D sets), got {type(data).__name__}."
-        )
-    unknown = [method for method in methods if method not in QUALITY_METHODS]
-    if unknown:
-        raise ValueError(
-            f"`methods` must be names from {list(QUALITY_METHODS)}, got {unknown!r}."
-        )
-    for model in models:
-        check_model(model, methods)
-        _check_outputs(model, data, methods)
-
-
-def _check_outputs(model: ModelSpec, data: QualityData, methods: Sequence[str]):
-    """One abstract forward pass: the model must give ``[N, C']``, ``C' >= C``."""
-    num_classes = data.num_classes
-    example = tuple(np.shape(data.x_train)[1:])
-    x = jax.ShapeDtypeStruct((2, *example), np.float32)
-    rates = (0.0, 0.1) if "mc_dropout" in methods else (0.0,)
-    for dropout in rates:
-
-        def forward(x, dropout=dropout):
-            net = build_model(
-                model,
-                input_shape=example,
-                num_classes=num_classes,
-                dropout=dropout,
-                rngs=nnx.Rngs(0),
-            )
-            return net(x)
-
-        try:
-            out = jax.eval_shape(forward, x)
-        except Exception as error:
-            raise ValueError(
-                f"the model {model_name(model)!r} fails on a batch of the data's "
-                f"examples (shape {x.shape}): {type(error).__name__}: {error}"
-            ) from error
-        shape = getattr(out, "shape", None)
-        if shape is None or len(shape) != 2 or shape[0] != 2:
-            raise ValueError(
-                f"the model {model_name(model)!r} must map a batch [N, "
-                f"{', '.join(map(str, example))}] of the data's examples to logits "
-                f"[N, classes]; on N = 2 it gave "
-                f"{shape if shape is not None else type(out).__name__}."
-            )
-        if shape[1] < num_classes:
-            raise ValueError(
-                f"the model {model_name(model)!r} gives {shape[1]} logits per "
-                f"example, but the data has {num_classes} classes (labels 0 to "
-                f"{num_classes - 1}): its output layer needs at least "
-                f"{num_classes} features."
-            )
 
 
 def run_quality(
@@ -411,10 +364,15 @@ def run_quality(
         ``""`` at the end.
 
     Returns:
-      One row (a dict) per model, E, seed and method: ``task``, ``method``,
-      ``model``, ``members``, ``seed``, ``steps``, ``train_examples``,
-      ``validation_examples``, ``params``, ``train_s`` and the measurements
-      of :func:`evaluate`.
+      One row (a dict) per model, E, seed and method: ``task``,
+      ``regression``, ``method``, ``model``, ``members``, ``seed``,
+      ``steps``, ``train_examples``, ``validation_examples``, ``params``,
+      ``train_s`` and the measurements of :func:`evaluate` (regression: of
+      :func:`~ensembles.benchmark.quality_regression.evaluate_regression`;
+      the methods train on targets standardised with the training split's
+      mean and standard deviation, and are scored in the targets' units). A
+      method whose training diverged has ``diverged`` True and NaN figures;
+      the others' rows stand.
 
     Raises:
       ValueError: if a method, a model or the data cannot run (an unknown
@@ -428,7 +386,12 @@ def run_quality(
     data = load_quality_data() if data is None else data
     check_run(models, methods, data)  # refuse now, not after an hour of training
     train_data, x_valid, y_valid = split_validation(data)
-    num_classes = data.num_classes
+    y_train, num_classes, scale = train_data.y_train, None, None
+    if data.regression:  # trained on standardised targets, scored in theirs
+        scale = TargetScale(train_data.y_train)
+        y_train = scale.standardise(train_data.y_train)
+    else:
+        num_classes = data.num_classes
     finetune_steps = max(1, int(steps * FINETUNE_FRACTION))
     rows: list[dict[str, Any]] = []
     total = len(models) * len(members) * len(seeds) * len(methods)
@@ -439,20 +402,25 @@ def run_quality(
             method,
             model,
             train_data.x_train,
-            train_data.y_train,
+            y_train,
             num_members=num_members,
             steps=method_steps,
             seed=seed,
             start=start,
             num_classes=num_classes,
+            regression=data.regression,
         )
 
     def measure(trained: Trained) -> dict[str, Any]:
-        return {
-            "params": trained.params,
-            "train_s": trained.train_s,
-            **evaluate(trained, data, x_valid=x_valid, y_valid=y_valid),
-        }
+        if data.regression:
+            measured = evaluate_regression(
+                trained, data, x_valid=x_valid, y_valid=y_valid, scale=scale
+            )
+        else:
+            measured = evaluate(trained, data, x_valid=x_valid, y_valid=y_valid)
+        if measured["diverged"]:
+            show(f"{trained.method} diverged: its figures are NaN")
+        return {"params": trained.params, "train_s": trained.train_s, **measured}
 
     # `single` does not depend on E: trained once per model and seed, its row
     # repeated for every E, and its model the start of `finetuned`.
@@ -489,6 +457,7 @@ def run_quality(
                     rows.append(
                         {
                             "task": data.name,
+                            "regression": data.regression,
                             "method": method,
                             "model": name,
                             "members": num_members,

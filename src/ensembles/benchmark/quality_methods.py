@@ -46,7 +46,6 @@ examples; for ``mc_dropout`` it must take a ``dropout`` keyword as well).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,12 +56,19 @@ from flax import nnx
 from jax.nn.initializers import Initializer
 
 import ensembles
-from ensembles._checks import check_num_members, check_positive_int
+from ensembles._checks import check_positive_int
 from ensembles.benchmark.methods import _count
-from ensembles.benchmark.quality_models import ModelSpec, build_model
+from ensembles.benchmark.quality_models import ModelSpec
+from ensembles.benchmark.quality_training import (
+    Context,
+    objective,
+    optimizer,
+    train_steps,
+)
 
 __all__ = [
     "BATCH_SIZE",
+    "BETA",
     "DROPOUT_RATE",
     "EVAL_DRAWS",
     "FAST_LR_MULTIPLIER",
@@ -70,6 +76,7 @@ __all__ = [
     "FINETUNE_INIT_STDDEV",
     "KL_ANNEALING",
     "LEARNING_RATE",
+    "MIN_STD",
     "QUALITY_METHODS",
     "STEPS",
     "WEIGHT_DECAY",
@@ -115,6 +122,12 @@ FINETUNE_FRACTION: float = 0.25
 #: with random signs at the input).
 FINETUNE_INIT_STDDEV: float = 0.3
 
+#: Regression: the beta-NLL exponent of every method's loss (Seitzer et al.,
+#: 2022; 0 is the plain NLL) and the floor of the predicted standard
+#: deviations, in standardised target units (``docs/regression.md``).
+BETA: float = 0.5
+MIN_STD: float = 1e-3
+
 
 @dataclasses.dataclass(frozen=True)
 class Trained:
@@ -137,28 +150,6 @@ class Trained:
     params: int
     train_s: float
     model: Any = None
-
-
-def _optimizer(
-    model: nnx.Module, fast: float | None, decay_steps: int | None = None
-) -> nnx.Optimizer:
-    """AdamW; with a multiplier ``fast``, Adam for the fast weights (the recipe).
-
-    With ``decay_steps`` the learning rates decay to 0 along a cosine.
-    """
-    import optax
-
-    def rate(scale: float) -> Any:
-        if decay_steps is None:
-            return scale * LEARNING_RATE
-        return optax.cosine_decay_schedule(scale * LEARNING_RATE, decay_steps)
-
-    shared = optax.adamw(rate(1.0), weight_decay=WEIGHT_DECAY)
-    if fast is not None:
-        tx = ensembles.optim.split_fast_weights(shared, optax.adam(rate(fast)))
-    else:
-        tx = shared
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _reinit_first_layer(
@@ -197,6 +188,9 @@ def train_method(
     num_classes: int | None = None,
     first_layer_init: tuple[Initializer, Initializer] | None = None,
     diversity: float = 0.0,
+    regression: bool = False,
+    beta: float = BETA,
+    min_std: float = MIN_STD,
 ) -> Trained:
     """Builds and trains one method; see the module docs for the recipes.
 
@@ -206,7 +200,8 @@ def train_method(
     ``benchmarks/diversity_study.py``, ``benchmarks/quality_defaults.py`` and
     ``benchmarks/finetune_recipe.py`` measure them). A name of
     ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
-    and ``num_classes`` classes.
+    and ``num_classes`` classes (regression: two outputs, a mean and a raw
+    spread, per target).
 
     >>> import numpy as np
     >>> from ensembles.benchmark.quality_methods import train_method
@@ -215,13 +210,19 @@ def train_method(
     ...                        steps=2)
     >>> trained.predict(x[:5]).shape
     (2, 5, 10)
+    >>> targets = np.linspace(-1, 1, 20, dtype=np.float32)  # regression
+    >>> trained = train_method("deep_ensemble", "mlp", x, targets, num_members=2,
+    ...                        steps=2, regression=True)
+    >>> trained.predict(x[:5]).shape  # a mean and a raw spread per member
+    (2, 5, 2)
 
     Args:
       method: one of :data:`QUALITY_METHODS`.
       model: a name of ``QUALITY_MODELS``, or a factory ``rngs ->
         nnx.Module`` (:func:`~ensembles.benchmark.quality_models.build_model`).
       x_train: ``[N, ...]`` float32 training examples.
-      y_train: ``[N]`` integer labels.
+      y_train: ``[N]`` integer labels (regression: ``[N]`` or ``[N, D]`` real
+        targets, best standardised).
       num_members: the ensemble size E (``single`` ignores it).
       steps: optimizer steps.
       seed: seed of the parameters, the fast weights, the batches and the
@@ -243,7 +244,7 @@ def train_method(
       start: ``finetuned`` only: the trained ``single`` model it starts from
         (not changed).
       num_classes: the classes a named model is built for (``None``: the
-        largest training label + 1).
+        largest training label + 1); not for regression.
       first_layer_init: ``(r_init, s_init)`` of the first BatchEnsemble layer
         (in the model's graph order, its first layer for an
         ``nnx.Sequential``), the others keeping ``fast_weight_init`` (TabM's
@@ -252,170 +253,73 @@ def train_method(
       diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
         Buschjaeger et al., 2020): ``diversity`` times the mean squared
         distance of each member's softmax from the members' mean is
-        subtracted from the loss, pushing members apart; 0: none.
+        subtracted from the loss, pushing members apart; 0: none
+        (classification only).
+      regression: train Gaussian-head regressors of real targets:
+        :func:`ensembles.training.gaussian_nll` of
+        :func:`ensembles.training.gaussian_head`'s means and spreads.
+      beta: regression: the beta-NLL exponent (:data:`BETA`).
+      min_std: regression: the spreads' floor, in the targets' units
+        (:data:`MIN_STD`).
 
     Returns:
       The :class:`Trained` method.
 
     Raises:
-      ValueError: if ``method`` is unknown, or ``finetuned`` has no ``start``.
+      ValueError: if ``method`` is unknown, ``finetuned`` has no ``start``,
+        or ``diversity`` is asked of a regression.
     """
-    import optax
-
-    if method not in QUALITY_METHODS:
+    _check_method(method, start)
+    if regression and diversity:
         raise ValueError(
-            f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
+            f"`diversity` (={diversity}) pushes members' softmaxes apart: it is "
+            f"for classification; leave it 0 for regression."
         )
-    if (method == "finetuned") != (start is not None):
-        raise ValueError(
-            "`start` (the trained single model) must be given for method "
-            f"'finetuned' and only for it, got method={method!r} and "
-            f"start={type(start).__name__}."
-        )
-    E = check_num_members(num_members)
-    steps = check_positive_int(steps, "steps")
+    context = Context.of(
+        model,
+        x_train,
+        y_train,
+        num_members=num_members,
+        steps=steps,
+        seed=seed,
+        batch_size=BATCH_SIZE,
+        regression=regression,
+        num_classes=num_classes,
+    )
+    loss_of = objective(
+        regression=regression, beta=beta, min_std=min_std, diversity=diversity
+    )
     eval_draws = check_positive_int(eval_draws, "eval_draws")
-    x_all, y_all = jnp.asarray(x_train), jnp.asarray(y_train)
-    shape = {
-        "input_shape": tuple(np.shape(x_train)[1:]),
-        "num_classes": (
-            int(np.max(y_train)) + 1 if num_classes is None else num_classes
-        ),
-    }
-    count = len(x_train)
-    batch = min(BATCH_SIZE, count)
-    # One root key per seed, one independent stream per use (no key is ever
-    # used twice: the parameters, the fast weights and the batches of a seed,
-    # or of two seeds, never share a draw).
-    root = jax.random.key(seed)
-    params_key, fast_key, batches_key = (jax.random.fold_in(root, i) for i in range(3))
-
-    def draw(key, members):
-        index = ensembles.training.member_batches(
-            key, count, batch_size=batch, num_members=members
-        )
-        return x_all[index], y_all[index]
-
     if method == "deep_ensemble":
-
-        @nnx.split_rngs(splits=E)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return build_model(model, rngs=rngs, **shape)
-
-        net = create(nnx.Rngs(params_key))
-        members_logits = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
-
-        def loss_fn(model, key, step):
-            x, y = draw(key, E)  # B examples of its own per member
-            logits = members_logits(model, x.reshape(E, batch, *x.shape[1:]))
-            return ensembles.training.cross_entropy(
-                logits.reshape(E * batch, -1), y, num_members=E
-            )
-
-        def predict_fn(model, x):
-            return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
-
+        net, loss_fn, predict_fn = _deep_ensemble(context, loss_of)
     elif method in ("batchensemble", "rank1"):
-        if fast_weight_init is None:
-            inits = {}
-        elif isinstance(fast_weight_init, tuple):
-            inits = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
-        else:
-            inits = {"r_init": fast_weight_init, "s_init": fast_weight_init}
-        if method == "rank1":
-            inits["posterior"] = "gaussian"
-            if prior_stddev is not None:
-                inits["prior_stddev"] = prior_stddev
-            if stddev_init is not None:
-                inits["stddev_init"] = stddev_init
-        net = ensembles.to_batch_ensemble(
-            build_model(model, rngs=nnx.Rngs(params_key), **shape),
-            num_members=E,
-            rngs=nnx.Rngs(fast_key),
-            **inits,
+        net, loss_fn, predict_fn = _batch_ensemble(
+            method,
+            context,
+            loss_of,
+            _fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init),
+            first_layer_init=first_layer_init,
+            tiled=tiled,
+            kl_annealing=kl_annealing,
+            eval_draws=eval_draws,
         )
-        if first_layer_init is not None:
-            _reinit_first_layer(net, first_layer_init, jax.random.fold_in(root, 3))
-        kl_weight = optax.linear_schedule(
-            0.0, 1.0, transition_steps=max(1, int(kl_annealing * steps))
-        )
-
-        def loss_fn(model, key, step):
-            if tiled:
-                x, y = draw(key, 1)  # the same B examples for every member
-                x = ensembles.tile(x, E)
-            else:
-                x, y = draw(key, E)  # B examples of its own per member
-            logits = model(x)
-            loss = ensembles.training.cross_entropy(logits, y, num_members=E)
-            if diversity:
-                probs = jax.nn.softmax(ensembles.untile(logits, E), axis=-1)
-                spread = jnp.sum((probs - probs.mean(axis=0)) ** 2, axis=-1)
-                loss = loss - diversity * jnp.mean(spread)
-            if method == "rank1":
-                kl = ensembles.kl_divergence(model)
-                loss = loss + kl_weight(step) * kl / count
-            return loss
-
-        def predict_fn(model, x):
-            # rank1 draws on every call: eval_draws draws, each a "member".
-            draws = eval_draws if method == "rank1" else 1
-            return jnp.concatenate(
-                [ensembles.untile(model(ensembles.tile(x, E)), E) for _ in range(draws)]
-            )
-
     elif method == "finetuned":
-        init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
-        net = ensembles.to_batch_ensemble(
-            start, num_members=E, rngs=nnx.Rngs(fast_key), r_init=init, s_init=init
-        )
-
-        def loss_fn(model, key, step):
-            x, y = draw(key, E)  # B examples of its own per member
-            return ensembles.training.cross_entropy(model(x), y, num_members=E)
-
-        def predict_fn(model, x):
-            return ensembles.untile(model(ensembles.tile(x, E)), E)
-
+        net, loss_fn, predict_fn = _finetuned(context, loss_of, start)
     else:
-        dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
-        net = build_model(model, dropout=dropout, rngs=nnx.Rngs(params_key), **shape)
-
-        def loss_fn(model, key, step):
-            x, y = draw(key, 1)
-            logits = model(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        if method == "mc_dropout":
-
-            def predict_fn(model, x):  # E dropout masks, one per tiled copy
-                return ensembles.untile(model(ensembles.tile(x, E)), E)
-
-        else:
-
-            def predict_fn(model, x):
-                return model(x)[None]
-
+        net, loss_fn, predict_fn = _single(method, context, loss_of)
     if method == "finetuned":  # every parameter at the full, decaying rate
-        optimizer = _optimizer(net, 1.0, decay_steps=steps)
+        fast, decay_steps = 1.0, context.steps
     else:
         fast = fast_lr_multiplier if method in ("batchensemble", "rank1") else None
-        optimizer = _optimizer(net, fast)
-
-    @nnx.jit
-    def train_step(model, optimizer, key, step):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, key, step)
-        optimizer.update(model, grads)
-        return loss
-
-    keys = jax.random.split(batches_key, steps)
-    start = time.perf_counter()
-    began = time.perf_counter()
-    for step in range(steps):
-        loss = train_step(net, optimizer, keys[step], jnp.asarray(step))
-    jax.block_until_ready(loss)
-    train_s = time.perf_counter() - began
+        decay_steps = None
+    tx = optimizer(
+        net,
+        learning_rate=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        fast=fast,
+        decay_steps=decay_steps,
+    )
+    train_s = train_steps(net, tx, loss_fn, context)
     if method not in ("mc_dropout", "rank1"):
         net.eval()  # mc_dropout keeps its masks, rank1 its draws
     predict = nnx.jit(predict_fn)
@@ -426,3 +330,142 @@ def train_method(
         train_s=train_s,
         model=net,
     )
+
+
+def _check_method(method: str, start: nnx.Module | None) -> None:
+    if method not in QUALITY_METHODS:
+        raise ValueError(
+            f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
+        )
+    if (method == "finetuned") != (start is not None):
+        raise ValueError(
+            "`start` (the trained single model) must be given for method "
+            f"'finetuned' and only for it, got method={method!r} and "
+            f"start={type(start).__name__}."
+        )
+
+
+def _deep_ensemble(context: Context, loss_of: Callable):
+    E, batch = context.num_members, context.batch
+
+    @nnx.split_rngs(splits=E)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return context.build(rngs=rngs)
+
+    net = create(nnx.Rngs(context.key(0)))
+    members_outputs = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
+
+    def loss_fn(model, key, step):
+        x, y = context.draw(key, E)  # B examples of its own per member
+        outputs = members_outputs(model, x.reshape(E, batch, *x.shape[1:]))
+        return loss_of(outputs.reshape(E * batch, -1), y, E)
+
+    def predict_fn(model, x):
+        return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
+
+    return net, loss_fn, predict_fn
+
+
+def _fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init):
+    """``to_batch_ensemble``'s keyword arguments for ``batchensemble``/``rank1``."""
+    if fast_weight_init is None:
+        options = {}
+    elif isinstance(fast_weight_init, tuple):
+        options = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
+    else:
+        options = {"r_init": fast_weight_init, "s_init": fast_weight_init}
+    if method == "rank1":
+        options["posterior"] = "gaussian"
+        if prior_stddev is not None:
+            options["prior_stddev"] = prior_stddev
+        if stddev_init is not None:
+            options["stddev_init"] = stddev_init
+    return options
+
+
+def _batch_ensemble(
+    method,
+    context,
+    loss_of,
+    options,
+    *,
+    first_layer_init,
+    tiled,
+    kl_annealing,
+    eval_draws,
+):
+    import optax
+
+    E, count = context.num_members, len(context.x_all)
+    net = ensembles.to_batch_ensemble(
+        context.build(rngs=nnx.Rngs(context.key(0))),
+        num_members=E,
+        rngs=nnx.Rngs(context.key(1)),
+        **options,
+    )
+    if first_layer_init is not None:
+        _reinit_first_layer(net, first_layer_init, context.key(3))
+    kl_weight = optax.linear_schedule(
+        0.0, 1.0, transition_steps=max(1, int(kl_annealing * context.steps))
+    )
+
+    def loss_fn(model, key, step):
+        if tiled:
+            x, y = context.draw(key, 1)  # the same B examples for every member
+            x = ensembles.tile(x, E)
+        else:
+            x, y = context.draw(key, E)  # B examples of its own per member
+        loss = loss_of(model(x), y, E)
+        if method == "rank1":
+            kl = ensembles.kl_divergence(model)
+            loss = loss + kl_weight(step) * kl / count
+        return loss
+
+    def predict_fn(model, x):
+        # rank1 draws on every call: eval_draws draws, each a "member".
+        draws = eval_draws if method == "rank1" else 1
+        return jnp.concatenate(
+            [ensembles.untile(model(ensembles.tile(x, E)), E) for _ in range(draws)]
+        )
+
+    return net, loss_fn, predict_fn
+
+
+def _finetuned(context: Context, loss_of: Callable, start: nnx.Module):
+    E = context.num_members
+    init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
+    net = ensembles.to_batch_ensemble(
+        start, num_members=E, rngs=nnx.Rngs(context.key(1)), r_init=init, s_init=init
+    )
+
+    def loss_fn(model, key, step):
+        x, y = context.draw(key, E)  # B examples of its own per member
+        return loss_of(model(x), y, E)
+
+    def predict_fn(model, x):
+        return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+    return net, loss_fn, predict_fn
+
+
+def _single(method: str, context: Context, loss_of: Callable):
+    dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
+    net = context.build(dropout=dropout, rngs=nnx.Rngs(context.key(0)))
+
+    def loss_fn(model, key, step):
+        x, y = context.draw(key, 1)
+        return loss_of(model(x), y, 1)
+
+    if method == "mc_dropout":
+
+        def predict_fn(model, x):  # E dropout masks, one per tiled copy
+            E = context.num_members
+            return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+    else:
+
+        def predict_fn(model, x):
+            return model(x)[None]
+
+    return net, loss_fn, predict_fn

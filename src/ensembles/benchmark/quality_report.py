@@ -13,6 +13,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from ensembles.benchmark.quality_regression_report import regression_block
+from ensembles.benchmark.quality_tables import (
+    best_row,
+    cell,
+    gap_lines,
+    groups_of,
+    method_label,
+    title,
+)
 from ensembles.benchmark.report import render_table
 
 __all__ = [
@@ -20,7 +29,6 @@ __all__ = [
     "MIN_GAP_STANDARD_ERRORS",
     "format_quality",
     "summarize",
-    "write_quality_plot",
 ]
 
 #: "Gap closed" is only defined where the deep ensemble's NLL is lower than
@@ -62,14 +70,6 @@ _OOD: tuple[tuple[str, str, bool], ...] = (
     ("FPR95 MI", "fpr95_mi", False),
 )
 
-#: How a task is named in titles.
-_TASK_NAMES = {
-    "mnist1d": "MNIST-1D",
-    "digits": "digits (8x8)",
-    "tabular": "tabular",
-    "mnist1d_harsh": "MNIST-1D (harsh shifts)",
-}
-
 
 def _mean_std(values: list[float | None]) -> dict[str, float | None]:
     if any(value is None for value in values):
@@ -100,7 +100,7 @@ def _aggregate(values: list[Any]) -> Any:
     return _mean_std(values)
 
 
-_IDENTITY = ("task", "method", "model", "members", "seed", "steps")
+_IDENTITY = ("task", "regression", "method", "model", "members", "seed", "steps")
 _COUNTS = ("params", "train_examples", "validation_examples")
 
 
@@ -153,6 +153,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "model": model,
             "members": members,
             "seeds": len(group),
+            "regression": bool(group[0].get("regression", False)),
             **{key: group[0][key] for key in _COUNTS if key in group[0]},
             **{key: _aggregate([row[key] for row in group]) for key in measured},
         }
@@ -166,71 +167,42 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         deep = by_key.get((*where, "deep_ensemble"))
         if single is None or deep is None:
             continue
-        for name, pick in (
-            ("gap_closed", lambda e: e.get("recalibrated")),
-            ("gap_closed_as_trained", lambda e: e),
-        ):
-            if any(pick(e) is None for e in (single, entry, deep)):
-                continue
-            entry[name] = {
-                part: _gap_closed(
-                    pick(single)[part],
-                    pick(entry)[part],
-                    pick(deep)[part],
-                    seeds=(single["seeds"], deep["seeds"]),
-                )
-                for part in ("in_distribution", "shift_mean")
-                if "nll" in pick(entry).get(part, {})
-            }
+        metrics = ("nll", "crps") if entry["regression"] else ("nll",)
+        for metric in metrics:
+            suffix = "" if metric == "nll" else f"_{metric}"
+            for name, pick in (
+                (f"gap_closed{suffix}", lambda e: e.get("recalibrated")),
+                (f"gap_closed{suffix}_as_trained", lambda e: e),
+            ):
+                if any(pick(e) is None for e in (single, entry, deep)):
+                    continue
+                entry[name] = {
+                    part: _gap_closed(
+                        pick(single)[part],
+                        pick(entry)[part],
+                        pick(deep)[part],
+                        seeds=(single["seeds"], deep["seeds"]),
+                        metric=metric,
+                    )
+                    for part in ("in_distribution", "shift_mean")
+                    if metric in pick(entry).get(part, {})
+                }
     return summary
 
 
 def _gap_closed(
-    single: dict, ensemble: dict, deep: dict, seeds: tuple[int, int]
+    single: dict, ensemble: dict, deep: dict, seeds: tuple[int, int], metric: str
 ) -> float | None:
-    gap = single["nll"]["mean"] - deep["nll"]["mean"]
+    means = [e[metric]["mean"] for e in (single, ensemble, deep)]
+    if any(mean is None or math.isnan(mean) for mean in means):
+        return None  # a diverged method: no ratio to give
+    gap = means[0] - means[2]
     standard_error = math.sqrt(
-        single["nll"]["std"] ** 2 / seeds[0] + deep["nll"]["std"] ** 2 / seeds[1]
+        single[metric]["std"] ** 2 / seeds[0] + deep[metric]["std"] ** 2 / seeds[1]
     )
-    if gap <= max(
-        MIN_GAP * abs(single["nll"]["mean"]),
-        MIN_GAP_STANDARD_ERRORS * standard_error,
-    ):
+    if gap <= max(MIN_GAP * abs(means[0]), MIN_GAP_STANDARD_ERRORS * standard_error):
         return None  # no gap to close that the seeds can tell from noise
-    return (single["nll"]["mean"] - ensemble["nll"]["mean"]) / gap
-
-
-def _cell(stats: dict[str, float | None] | None, seeds: int) -> str:
-    if stats is None or stats["mean"] is None:
-        return "n/a"
-    text = f"{stats['mean']:.3f}"
-    return f"{text} ± {stats['std']:.3f}" if seeds > 1 else text
-
-
-def _groups(summary: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for entry in summary:
-        key = (entry.get("task", "mnist1d"), entry["model"], entry["members"])
-        groups.setdefault(key, []).append(entry)
-    return groups
-
-
-def _best_row(group, columns) -> list[str]:
-    """The best method of each column: ``columns`` are ``(stats_of, higher)``."""
-    cells = []
-    for stats_of, higher in columns:
-        scored = [
-            (stats["mean"], entry["method"])
-            for entry in group
-            if (stats := stats_of(entry)) is not None and stats["mean"] is not None
-        ]
-        if len(scored) < 2:
-            cells.append("")
-            continue
-        best = (max if higher else min)(value for value, _ in scored)
-        winners = [method for value, method in scored if value == best]
-        cells.append("(tie)" if len(winners) == len(scored) else ", ".join(winners))
-    return cells
+    return (means[0] - means[1]) / gap
 
 
 def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
@@ -244,15 +216,15 @@ def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
     ]
     rows = [
         [
-            entry["method"],
+            method_label(entry),
             f"{entry['params']:,}",
             f"{entry['train_s']['mean']:.1f}",
-            _cell(entry["temperature"], entry["seeds"]) + _at_bound(entry),
-            *(_cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
+            cell(entry["temperature"], entry["seeds"]) + _at_bound(entry),
+            *(cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
         ]
         for entry in group
     ]
-    return header, [*rows, ["best", "", "", "", *_best_row(group, columns)]]
+    return header, [*rows, ["best", "", "", "", *best_row(group, columns)]]
 
 
 def _at_bound(entry: dict[str, Any]) -> str:
@@ -276,12 +248,12 @@ def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
         ]
     rows = [
         [
-            entry["method"],
-            *(_cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
+            method_label(entry),
+            *(cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
         ]
         for entry in group
     ]
-    return header, [*rows, ["best", *_best_row(group, columns)]]
+    return header, [*rows, ["best", *best_row(group, columns)]]
 
 
 def _severity_table(group, part: str | None) -> tuple[list[str], list[list[str]]]:
@@ -310,45 +282,7 @@ def _mean(level: dict[str, Any], metric: str) -> str:
     return "n/a" if stats is None or stats["mean"] is None else f"{stats['mean']:.3f}"
 
 
-def _title(group: list[dict[str, Any]]) -> str:
-    first = group[0]
-    task = first.get("task", "mnist1d")
-    seeds = first["seeds"]
-    return (
-        f"{first['model']} on {_TASK_NAMES.get(task, task)}, E={first['members']}, "
-        f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else '1 seed'}"
-    )
-
-
-def _gap_lines(group: list[dict[str, Any]]) -> str:
-    lines = []
-    for entry in group:
-        for key, label in (
-            ("gap_closed", "recalibrated"),
-            ("gap_closed_as_trained", "as trained"),
-        ):
-            gap = entry.get(key)
-            if not gap:
-                continue
-            parts = [
-                f"{where_label} {gap[where]:.0%}"
-                if gap.get(where) is not None
-                else f"{where_label}: deep ensemble not better than one model "
-                "beyond noise"
-                for where, where_label in (
-                    ("in_distribution", "in distribution"),
-                    ("shift_mean", "under shift"),
-                )
-                if where in gap
-            ]
-            lines.append(
-                f"{entry['method']} closes this much of the {label} NLL gap from "
-                "single to deep_ensemble: " + ", ".join(parts) + "."
-            )
-    return "\n".join(lines)
-
-
-def _summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``results`` as a summary: rows of ``run_quality`` are summarised."""
     results = list(results)
     if results and "seeds" not in results[0]:
@@ -407,11 +341,14 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
       The tables, one set per task, model and E.
     """
     blocks = []
-    for group in _groups(_summary_of(results)).values():
-        title = f"**{_title(group)}**" if markdown else _title(group)
+    for group in groups_of(summary_of(results)).values():
+        if group[0].get("regression"):
+            blocks.append(regression_block(group, markdown=markdown))
+            continue
+        heading = f"**{title(group)}**" if markdown else title(group)
         held = group[0].get("validation_examples")
         block = [
-            title,
+            heading,
             "",
             "Recalibrated: every method at its own temperature T, fitted on "
             + (f"{held:,} " if held else "")
@@ -426,7 +363,7 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
                 "examples did not identify it (at the lower bound: no error among "
                 "them), and that row's recalibrated figures are not to be trusted.",
             ]
-        gap = _gap_lines(group)
+        gap = gap_lines(group)
         if gap:
             block += ["", gap]
         block += [
@@ -447,55 +384,3 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
         ]
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)
-
-
-def write_quality_plot(results: Sequence[dict[str, Any]], path: str) -> None:
-    """Plots accuracy, NLL and ECE against shift severity, per method.
-
-    One row of five panels per task, model and E: accuracy, then NLL and ECE
-    recalibrated (each method at its own temperature) and as trained;
-    position 0 is the in-distribution test set, then the data's severities in
-    order; error bars are standard deviations over seeds.
-
-    Args:
-      results: rows from :func:`~ensembles.benchmark.quality.run_quality`, or
-        their summary.
-      path: the PNG to write.
-    """
-    from matplotlib.figure import Figure
-
-    groups = _groups(_summary_of(results))
-    figure = Figure(figsize=(20, 3.9 * len(groups)), layout="constrained")
-    axes = figure.subplots(len(groups), 5, squeeze=False)
-    panels = (
-        (None, "accuracy", "accuracy"),
-        ("recalibrated", "nll", "NLL, recalibrated"),
-        ("recalibrated", "ece", "ECE, recalibrated"),
-        (None, "nll", "NLL, as trained"),
-        (None, "ece", "ECE, as trained"),
-    )
-    for row_axes, group in zip(axes, groups.values(), strict=True):
-        severities = [level["severity"] for level in group[0]["shift"]]
-        positions = list(range(len(severities) + 1))
-        for ax, (part, metric, label) in zip(row_axes, panels, strict=True):
-            for entry in group:
-                measured = entry if part is None else entry[part]
-                stats = [measured["in_distribution"][metric]] + [
-                    level[metric] for level in measured["shift"]
-                ]
-                ax.errorbar(
-                    positions,
-                    [s["mean"] for s in stats],
-                    yerr=[s["std"] for s in stats],
-                    marker="o",
-                    capsize=3,
-                    label=entry["method"],
-                )
-            ax.set_xticks(positions)
-            ax.set_xticklabels(["test", *map(str, severities)])
-            ax.set_xlabel("shift severity")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-            ax.set_title(f"{label}\n{_title(group)}", fontsize=9)
-        row_axes[1].legend(fontsize=8)
-    figure.savefig(path, dpi=110)

@@ -126,9 +126,19 @@ def _spread_note(group: list[dict[str, Any]]) -> str:
 
 
 def _notes(group: list[dict[str, Any]], separator: str) -> str:
-    """The notes under a group's table (spread, page faults), or ``""``."""
-    return separator.join(
-        note for note in (_spread_note(group), _faults_note(group)) if note
+    """The notes under a group's table (loss, spread, page faults), or ``""``."""
+    notes = (_loss_note(group), _spread_note(group), _faults_note(group))
+    return separator.join(note for note in notes if note)
+
+
+def _loss_note(group: list[dict[str, Any]]) -> str:
+    """A line saying a train step fits a regressor's targets, or ``""``."""
+    if not any(row.get("loss") == "squared error" for row in group):
+        return ""
+    return (
+        "Trained on the squared error of the model's one output against "
+        "standard-normal targets: a softmax cross-entropy over one output is "
+        "identically 0 and has no gradient."
     )
 
 

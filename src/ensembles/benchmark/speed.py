@@ -52,7 +52,9 @@ def run_benchmark(
     (True, 1.0)
 
     Your own model: a factory ``rngs -> nnx.Module`` and one example's shape
-    (train: softmax cross-entropy over its outputs' last axis):
+    (train: softmax cross-entropy over its outputs' last axis; a model with
+    one output, where that is identically 0, trains on the squared error
+    against standard-normal targets, and its rows say so):
 
     >>> from flax import nnx
     >>> def my_mlp(rngs):
@@ -79,7 +81,9 @@ def run_benchmark(
         at the end.
 
     Returns:
-      Rows (dicts) with the method, the configuration, times (``median_s``,
+      Rows (dicts) with the method, the configuration (with ``loss``, what a
+      train step minimises: ``"softmax cross-entropy"``, ``"squared error"``
+      for a model with one output, ``None`` in forward mode), times (``median_s``,
       ``q1_s``, ``q3_s``, ``times_s``), ``samples_per_s``, ratios of medians
       (``ratio_to_single``, over one model on the same ``E*B`` rows;
       ``ratio_to_single_b``, over one model on ``B`` rows, what a prediction
@@ -147,6 +151,7 @@ def run_benchmark(
                         else width
                     ),
                     "impl": impl,
+                    "loss": p.loss,
                     "samples": batch if method == "single_b" else num_members * batch,
                     "median_s": median_s,
                     "q1_s": q1,

@@ -1,0 +1,319 @@
+"""``ensembles-bench --quality`` for regression: what an ensemble's mixture buys.
+
+Every method's members predict a Gaussian per example (a mean-and-spread
+head trained with :func:`ensembles.training.gaussian_nll` on standardised
+targets); the ensemble predicts their exact uniform mixture
+(:mod:`ensembles.uncertainty`), in the targets' own units. It is measured
+**as trained** and **recalibrated**: the spread of the whole predictive
+scaled by one factor of its own (:func:`ensembles.uncertainty.fit_std_scale`),
+fitted on the validation split (never the test set), the regression analogue
+of a classifier's temperature. Split-conformal intervals fitted on the same
+split (:func:`ensembles.uncertainty.fit_conformal_quantile`) are measured
+beside them: their coverage is guaranteed in distribution, and the shifted
+sets show by how much it fails out of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ensembles import training, uncertainty
+from ensembles.benchmark.quality_data import QualityData
+from ensembles.benchmark.quality_methods import MIN_STD, Trained
+from ensembles.benchmark.quality_training import gaussian_pairs
+
+__all__ = [
+    "PIT_LEVELS",
+    "REGRESSION_METRICS",
+    "SCALE_BOUNDS",
+    "TargetScale",
+    "evaluate_regression",
+    "nan_like",
+]
+
+#: The metrics of a set with targets, each in the targets' units: the RMSE
+#: of the mixture mean, the NLL of the exact mixture and of its
+#: moment-matched Gaussian, the CRPS, the PIT calibration error, the
+#: coverage, mean width and Winkler score of the central 90% intervals, and
+#: Spearman's correlation of the predicted spread with the error.
+REGRESSION_METRICS: tuple[str, ...] = (
+    "rmse",
+    "nll",
+    "nll_moment_matched",
+    "crps",
+    "pit_error",
+    "coverage90",
+    "width90",
+    "interval_score90",
+    "spread_error",
+)
+
+#: The scales :func:`evaluate_regression` fits within.
+SCALE_BOUNDS: tuple[float, float] = (0.05, 20.0)
+
+#: The levels ``p`` of the in-distribution PIT curve (``pit_curve``: the
+#: share of test targets whose PIT value is at most ``p``; ``p`` itself for a
+#: calibrated predictive), the reliability diagram of a regressor.
+PIT_LEVELS: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 20))
+
+_BAND_POINTS = 200
+_BAND_EXAMPLES = 300
+
+_LEVEL = 0.9
+
+
+class TargetScale:
+    """The training targets' mean and standard deviation (per output).
+
+    The methods train on standardised targets; their predictions are mapped
+    back to the targets' units before anything is scored.
+
+    Args:
+      targets: ``[N]`` or ``[N, D]`` training targets.
+    """
+
+    def __init__(self, targets: np.ndarray):
+        targets = np.asarray(targets, np.float64)
+        self.mean = targets.mean(axis=0)
+        self.std = np.maximum(targets.std(axis=0), 1e-12)
+        self.shape = targets.shape[1:]
+
+    def standardise(self, targets: np.ndarray) -> np.ndarray:
+        """``(targets - mean) / std``, float32."""
+        return np.asarray((np.asarray(targets) - self.mean) / self.std, np.float32)
+
+    def members(self, outputs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A method's ``[E, N, 2 D]`` outputs as means and stds in target units."""
+        means, stds = training.gaussian_head(
+            gaussian_pairs(outputs, self.shape), min_std=MIN_STD
+        )
+        mean = jnp.asarray(self.mean, jnp.float32)
+        std = jnp.asarray(self.std, jnp.float32)
+        return means * std + mean, stds * std
+
+
+@jax.jit
+def _metric_values(means, stds, targets) -> dict[str, jax.Array]:
+    # One compiled program per set's shape (the data were checked when built).
+    u = uncertainty
+    return {
+        "rmse": u.rmse(means, stds, targets),
+        "nll": u.mixture_nll(means, stds, targets),
+        "nll_moment_matched": u.moment_matched_nll(means, stds, targets),
+        "crps": u.crps(means, stds, targets),
+        "pit_error": u.pit_calibration_error(means, stds, targets),
+        "coverage90": u.interval_coverage(means, stds, targets, _LEVEL),
+        "width90": u.interval_width(means, stds, _LEVEL),
+        "interval_score90": u.interval_score(means, stds, targets, _LEVEL),
+        "spread_error": u.spread_error_correlation(means, stds, targets),
+    }
+
+
+def _metrics(members: tuple, targets: np.ndarray, quantile: float | None) -> dict:
+    values = {
+        name: float(value)
+        for name, value in _metric_values(*members, jnp.asarray(targets)).items()
+    }
+    if quantile is not None:  # split-conformal intervals of the as-trained members
+        lower, upper = uncertainty.conformal_interval(*members, quantile)
+        inside = (targets >= np.asarray(lower)) & (targets <= np.asarray(upper))
+        values["coverage90_conformal"] = float(np.mean(inside))
+    return values
+
+
+def _total(variance: jax.Array) -> np.ndarray:
+    """``[N]`` per-example scores: variances summed over D outputs."""
+    variance = np.asarray(variance)
+    return variance if variance.ndim == 1 else variance.sum(axis=-1)
+
+
+def _ood(scores_in: np.ndarray, scores_out: np.ndarray) -> tuple[float, float]:
+    return (
+        float(uncertainty.auroc(scores_in, scores_out)),
+        float(uncertainty.fpr_at_tpr(scores_in, scores_out, tpr=0.95)),
+    )
+
+
+def _measure_sets(
+    predict: Callable, data: QualityData, quantile: float | None, ood: bool
+) -> dict[str, Any]:
+    """Every set's metrics for one predictor of ``(means, stds)``."""
+    members_in = predict(data.x_test)
+    result: dict[str, Any] = {
+        "in_distribution": _metrics(members_in, data.y_test, quantile)
+    }
+    pit = np.asarray(uncertainty.mixture_cdf(*members_in, data.y_test)).reshape(-1)
+    result["pit_curve"] = [float(np.mean(pit <= level)) for level in PIT_LEVELS]
+    if data.noise_std is not None:
+        aleatoric = np.sqrt(np.asarray(uncertainty.aleatoric_variance(*members_in)))
+        error = np.log(aleatoric) - np.log(np.asarray(data.noise_std))
+        result["in_distribution"]["aleatoric_log_sd_rmse"] = float(
+            np.sqrt(np.mean(error**2))
+        )
+    shift = []
+    for severity, families in data.shifted.items():
+        per_family = [_metrics(predict(x), y, quantile) for x, y in families.values()]
+        shift.append(
+            {
+                "severity": severity,
+                **{
+                    m: float(np.mean([f[m] for f in per_family])) for m in per_family[0]
+                },
+            }
+        )
+    result["shift"] = shift
+    result["shift_mean"] = {
+        m: float(np.mean([level[m] for level in shift]))
+        for m in shift[0]
+        if m != "severity"
+    }
+    if ood:
+        result["ood"] = _ood_scores(members_in, predict, data)
+    if np.shape(data.x_test)[1:] == (1,):
+        result["bands"] = _bands(predict, data)
+    return result
+
+
+def _bands(predict: Callable, data: QualityData) -> dict[str, list[float]]:
+    """A 1-D task's predictive on a grid over every set: mean, 90% interval.
+
+    The grid spans the test, shifted and OOD inputs; ``train_x``/``train_y``
+    are up to 300 training examples, for the plot's context.
+    """
+    inputs = [data.x_test, *data.ood.values()]
+    inputs += [x for families in data.shifted.values() for x, _ in families.values()]
+    low = min(float(np.min(x)) for x in inputs)
+    high = max(float(np.max(x)) for x in inputs)
+    grid = np.linspace(low, high, _BAND_POINTS, dtype=np.float32)[:, None]
+    members = predict(grid)
+    lower, upper = uncertainty.mixture_interval(*members, level=_LEVEL)
+    y = np.asarray(data.y_train).reshape(len(data.y_train), -1)[:_BAND_EXAMPLES, 0]
+    return {
+        "x": grid[:, 0].tolist(),
+        "mean": np.asarray(uncertainty.mixture_mean(*members)).reshape(-1).tolist(),
+        "lower": np.asarray(lower).reshape(-1).tolist(),
+        "upper": np.asarray(upper).reshape(-1).tolist(),
+        "epistemic_sd": np.sqrt(np.asarray(uncertainty.epistemic_variance(*members)))
+        .reshape(-1)
+        .tolist(),
+        "train_x": np.asarray(data.x_train)[:_BAND_EXAMPLES, 0].tolist(),
+        "train_y": y.tolist(),
+    }
+
+
+def _ood_scores(members_in, predict: Callable, data: QualityData) -> dict:
+    """AUROC / FPR95 of total and epistemic variance, per OOD set."""
+    one_member = members_in[0].shape[0] == 1
+    total_in = _total(uncertainty.mixture_variance(*members_in))
+    epistemic_in = _total(uncertainty.epistemic_variance(*members_in))
+    scores = {}
+    for name, x in data.ood.items():
+        members_out = predict(x)
+        auroc_total, fpr_total = _ood(
+            total_in, _total(uncertainty.mixture_variance(*members_out))
+        )
+        entry = {"auroc_total": auroc_total, "fpr95_total": fpr_total}
+        if one_member:  # one member: epistemic variance is 0 everywhere
+            entry.update(auroc_epistemic=None, fpr95_epistemic=None)
+        else:
+            epistemic_out = _total(uncertainty.epistemic_variance(*members_out))
+            auroc, fpr = _ood(epistemic_in, epistemic_out)
+            entry.update(auroc_epistemic=auroc, fpr95_epistemic=fpr)
+        scores[name] = entry
+    return scores
+
+
+def nan_like(tree: Any) -> Any:
+    """A measurement tree with every number NaN (labels and ``None`` kept).
+
+    What a diverged method's figures are: no number that looks measured.
+    """
+    if isinstance(tree, dict):
+        return {k: v if k == "severity" else nan_like(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [nan_like(v) for v in tree]
+    return None if tree is None else math.nan
+
+
+def evaluate_regression(
+    trained: Trained,
+    data: QualityData,
+    *,
+    x_valid: np.ndarray,
+    y_valid: np.ndarray,
+    scale: TargetScale,
+) -> dict[str, Any]:
+    """Measures a trained regressor on every set, as trained and recalibrated.
+
+    Shift metrics at a severity are the means over that severity's families.
+    The recalibrated figures are those of the mixture stretched about its
+    mean by one factor ``s`` (:func:`ensembles.uncertainty.scale_std`), fitted
+    by :func:`ensembles.uncertainty.fit_std_scale` on ``(x_valid, y_valid)``
+    alone; the split-conformal quantile of the normalised errors is fitted on
+    the same split (``coverage90_conformal``: the share of targets its
+    intervals hold).
+
+    Args:
+      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`
+        with ``regression=True``, on targets standardised by ``scale``.
+      data: the test, shifted and out-of-distribution sets (targets in their
+        own units).
+      x_valid: held-out examples the method was not trained on.
+      y_valid: their targets, in their own units.
+      scale: the training targets' :class:`TargetScale`.
+
+    Returns:
+      ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
+      metric: value, ...}], "shift_mean": {...}, "ood": {set:
+      {"auroc_total", "fpr95_total", "auroc_epistemic", "fpr95_epistemic"}},
+      "std_scale": s, "std_scale_at_bound": bool, "conformal_quantile": q,
+      "diverged": bool, "pit_curve": [...], "recalibrated": {the same,
+      without "ood"}}`` (and ``"bands"``, the predictive on a grid, for
+      examples of one input: :func:`_bands`); the
+      metrics are :data:`REGRESSION_METRICS`, plus ``coverage90_conformal``
+      and, where the data know their noise, ``aleatoric_log_sd_rmse`` (the
+      RMSE of the log of the members' aleatoric standard deviation against
+      the true one's). ``diverged`` says the method predicted a NaN or
+      infinity on the validation set: its figures are then NaN, and the
+      other methods' stand.
+    """
+
+    def predict(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        return scale.members(trained.predict(x))
+
+    valid = predict(x_valid)
+    diverged = not all(np.isfinite(np.asarray(a)).all() for a in valid)
+    std_scale = conformal = math.nan
+    if not diverged:
+        std_scale = float(
+            uncertainty.fit_std_scale(*valid, np.asarray(y_valid), bounds=SCALE_BOUNDS)
+        )
+        conformal = float(
+            uncertainty.fit_conformal_quantile(*valid, np.asarray(y_valid), _LEVEL)
+        )
+    result = _measure_sets(predict, data, None if diverged else conformal, ood=True)
+    result.update(
+        std_scale=std_scale,
+        std_scale_at_bound=any(
+            math.isclose(std_scale, bound, rel_tol=1e-3) for bound in SCALE_BOUNDS
+        ),
+        conformal_quantile=conformal,
+        diverged=diverged,
+    )
+    if diverged:
+        result["recalibrated"] = nan_like(
+            {k: result[k] for k in ("in_distribution", "shift", "shift_mean")}
+        )
+        return result
+
+    def recalibrated(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        return uncertainty.scale_std(*predict(x), std_scale)
+
+    result["recalibrated"] = _measure_sets(recalibrated, data, None, ood=False)
+    return result

@@ -1,0 +1,121 @@
+"""Cells, rows and titles the quality tables share (classification and regression).
+
+Every cell is a mean over seeds, followed by the standard deviation over
+seeds when there are several; ``n/a`` where a figure does not exist (one
+member's mutual information, say); ``nan`` where a method diverged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["best_row", "cell", "gap_lines", "groups_of", "method_label", "title"]
+
+#: How a task is named in titles.
+TASK_NAMES = {
+    "mnist1d": "MNIST-1D",
+    "digits": "digits (8x8)",
+    "tabular": "tabular",
+    "mnist1d_harsh": "MNIST-1D (harsh shifts)",
+    "cubic": "cubic (y = x^3 + noise)",
+    "hetero_sine_gap": "heteroscedastic sine with a gap",
+    "friedman1_hetero": "Friedman #1, heteroscedastic",
+    "concrete": "UCI Concrete",
+}
+
+
+def cell(stats: dict[str, float | None] | None, seeds: int) -> str:
+    """``mean ± std`` of a summary's ``{"mean", "std"}`` (``n/a`` if none)."""
+    if stats is None or stats["mean"] is None:
+        return "n/a"
+    text = f"{stats['mean']:.3f}"
+    return f"{text} ± {stats['std']:.3f}" if seeds > 1 else text
+
+
+def groups_of(summary: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """A summary's entries by (task, model, E), one table each, in order."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for entry in summary:
+        key = (entry.get("task", "mnist1d"), entry["model"], entry["members"])
+        groups.setdefault(key, []).append(entry)
+    return groups
+
+
+def best_row(group, columns) -> list[str]:
+    """The best method of each column: ``columns`` are ``(stats_of, higher)``."""
+    cells = []
+    for stats_of, higher in columns:
+        scored = [
+            (stats["mean"], entry["method"])
+            for entry in group
+            if (stats := stats_of(entry)) is not None
+            and stats["mean"] is not None
+            and not math.isnan(stats["mean"])  # a diverged method is no best
+        ]
+        if len(scored) < 2:
+            cells.append("")
+            continue
+        best = (max if higher else min)(value for value, _ in scored)
+        winners = [method for value, method in scored if value == best]
+        cells.append("(tie)" if len(winners) == len(scored) else ", ".join(winners))
+    return cells
+
+
+def title(group: list[dict[str, Any]]) -> str:
+    """A group's title: model, task, E and seeds."""
+    first = group[0]
+    task = first.get("task", "mnist1d")
+    seeds = first["seeds"]
+    return (
+        f"{first['model']} on {TASK_NAMES.get(task, task)}, E={first['members']}, "
+        f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else '1 seed'}"
+    )
+
+
+def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
+    """One line per method: the share of the ``metric`` gap it closes."""
+    suffix = "" if metric == "nll" else f"_{metric}"
+    keys = (f"gap_closed{suffix}", f"gap_closed{suffix}_as_trained")
+    gaps = [entry[key] for entry in group for key in keys if entry.get(key)]
+    if gaps and all(value is None for gap in gaps for value in gap.values()):
+        return (
+            f"No {metric.upper()} gap to close: the deep ensemble is not better "
+            "than one model beyond noise (by 2% of one model's and two standard "
+            "errors), in distribution or under shift, as trained or recalibrated."
+        )
+    lines = []
+    for entry in group:
+        for key, label in (
+            (f"gap_closed{suffix}", "recalibrated"),
+            (f"gap_closed{suffix}_as_trained", "as trained"),
+        ):
+            gap = entry.get(key)
+            if not gap:
+                continue
+            parts = [
+                f"{where_label} {gap[where]:.0%}"
+                if gap.get(where) is not None
+                else f"{where_label}: deep ensemble not better than one model "
+                "beyond noise"
+                for where, where_label in (
+                    ("in_distribution", "in distribution"),
+                    ("shift_mean", "under shift"),
+                )
+                if where in gap
+            ]
+            lines.append(
+                f"{entry['method']} closes this much of the {label} "
+                f"{metric.upper()} gap from single to deep_ensemble: "
+                + ", ".join(parts)
+                + "."
+            )
+    return "\n".join(lines)
+
+
+def method_label(entry: dict[str, Any]) -> str:
+    """The method's name, marked where its training diverged in some seed."""
+    diverged = entry.get("diverged")
+    if diverged is not None and diverged["mean"]:
+        return f"{entry['method']} (diverged)"
+    return entry["method"]

@@ -83,22 +83,32 @@ def name_list(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(part.strip() for part in text.split(",")))
 
 
-def choice_list(choices: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
-    """A parser of comma-separated names from ``choices``.
+def choice_list(
+    choices: Sequence[str], groups: dict[str, Sequence[str]] | None = None
+) -> Callable[[str], tuple[str, ...]]:
+    """A parser of comma-separated names from ``choices`` (or of ``groups``).
+
+    A group's name stands for its names, in order; a name given twice counts
+    once.
 
     >>> from ensembles.benchmark.arguments import choice_list
     >>> choice_list(("forward", "train"))("train")
     ('train',)
+    >>> choice_list(("a", "b", "c"), {"ab": ("a", "b")})("c,ab,a")
+    ('c', 'a', 'b')
     """
+    groups = dict(groups or {})
 
     def parse(text: str) -> tuple[str, ...]:
         values = tuple(part.strip() for part in text.split(","))
-        unknown = [value for value in values if value not in choices]
+        unknown = [v for v in values if v not in choices and v not in groups]
         if unknown:
+            named = ", ".join([*choices, *groups])
             raise argparse.ArgumentTypeError(
                 f"unknown {', '.join(map(repr, unknown))}; choose from "
-                f"{', '.join(choices)} (comma-separated for several)"
+                f"{named} (comma-separated for several)"
             )
-        return tuple(dict.fromkeys(values))
+        expanded = [name for v in values for name in groups.get(v, (v,))]
+        return tuple(dict.fromkeys(expanded))
 
     return parse

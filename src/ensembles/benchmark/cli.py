@@ -24,17 +24,17 @@ from typing import Any, TextIO
 import jax
 
 import ensembles
-from ensembles.benchmark.arguments import (
-    choice_list,
-    int_list,
-    name_list,
-    positive_int,
-    shape,
+from ensembles.benchmark.cli_options import (
+    EPILOG,
+    EXTRA_HINT,
+    add_common_options,
+    add_output_options,
+    add_quality_options,
+    add_speed_options,
 )
 from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import (
     DEFAULT_IMAGE_SIZE,
-    DEFAULT_WIDTHS,
     MODELS,
     load_factory,
 )
@@ -46,7 +46,7 @@ from ensembles.benchmark.quality_report import (
     format_quality,
     summarize,
 )
-from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, TASKS, load_task
+from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
 from ensembles.benchmark.report import (
     _describe_device,
     _format_markdown,
@@ -95,8 +95,6 @@ _SPEED_ONLY = (
 )
 _QUALITY_ONLY = ("seeds", "steps", "task")
 
-_EXTRA_HINT = "pip install 'ensembles[bench]'"
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ensembles-bench`` argument parser.
@@ -114,178 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ensembles-bench",
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog=(
-            "Speed: every method processes the same E*B member-samples (but "
-            "single_b: one plain model on one member's B rows); samples/s counts "
-            "member-samples; 'ms' is the median time of a step. 'x 1 on E*B' is "
-            "that median over the median of one plain model on all E*B rows (the "
-            "same matmuls: the limit); 'x 1 on B' over one plain model on B rows, "
-            "what a prediction costs without an ensemble (E members cost about E "
-            "times its FLOPs); 'vs deep' is the median of the faster deep ensemble (E "
-            "models run with nnx.vmap, or one after another in a Python loop; "
-            "both are rows of the table) over the row's median: above 1, the row "
-            "is faster. 'params/deep' is the fraction of that faster deep "
-            "ensemble's parameters; 'memory MiB' is XLA's memory analysis of the "
-            "compiled step (arguments + outputs not aliased to donated arguments "
-            "+ temporaries; for the loop, the arguments and outputs of its E "
-            "calls and the temporaries of one, since they run one after another), "
-            "and 'memory/vmap deep' the fraction of the vmapped deep ensemble's, "
-            "which, like every other row but the loop, holds all E models' "
-            "activations at once. On XLA's CPU backend "
-            "that analysis does not count the scratch space of grouped "
-            "convolutions, so the vmap deep ensemble of the CNN (E grouped into "
-            "one convolution) shows less memory than one model: read its memory "
-            "as a lower bound. Quality (--quality): every method trains with "
-            "AdamW for the task's steps (finetuned: a quarter of them, after "
-            "the single model's) on a task's training set less a tenth held "
-            "out (at least 300 examples, at most half; MNIST-1D: 8,000 sequences "
-            "generated offline, 2,000 with --quick); it is measured as trained "
-            "and recalibrated, at one temperature of its own fitted on the "
-            "held-out examples (never the test set; 'T*': the fit ended at a "
-            "bound, the held-out examples did not identify it). acc, NLL, ECE "
-            "(15 bins), Brier and AURC are measured on the "
-            "test set (MNIST-1D: 2,000 sequences, 500 with --quick), 'shift' "
-            "columns are means over the severities of every corruption family "
-            "(MNIST-1D: 1,000 per family and severity, 200 with --quick), "
-            "AUROC H / MI is how well total entropy / mutual information rank "
-            "out-of-distribution examples above test examples (0.5 = chance; a "
-            "single model has no MI). Cells are means ± standard deviations over "
-            "seeds; the 'best' row names the best method of each column."
-        ),
+        epilog=EPILOG,
     )
-    parser.add_argument(
-        "--quality",
-        action="store_true",
-        help="measure what an ensemble buys (accuracy, NLL, ECE, Brier, under "
-        "shift, OOD AUROC) instead of what it costs; needs optax and mnist1d: "
-        f"{_EXTRA_HINT}",
-    )
-    parser.add_argument(
-        "--model",
-        type=name_list,
-        default=None,
-        help=f"{'|'.join(MODELS)} or a comma-separated list (default: mlp; "
-        f"--quality: {','.join(QUALITY_MODELS)} of MNIST-1D, --quick: cnn); an "
-        f"entry 'package.module:factory' imports your own model, a function "
-        f"rngs -> nnx.Module (--quality: a classifier of the task's examples, "
-        f"e.g. [N, 40] MNIST-1D sequences into 10 classes; mc_dropout calls it "
-        f"with dropout=rate too)",
-    )
-    parser.add_argument(
-        "--mode",
-        type=choice_list(MODES),
-        default=None,
-        help="forward (inference) and/or train (forward + backward + adam "
-        "update), comma-separated (default: forward,train)",
-    )
-    parser.add_argument(
-        "--members",
-        type=int_list,
-        default=None,
-        help="ensemble sizes E, comma-separated (default: 1,2,4,8; --quick: 1,4; "
-        "--quality: 4)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=positive_int,
-        default=None,
-        help="samples per member B; every method sees E*B (default: 128)",
-    )
-    parser.add_argument(
-        "--width",
-        type=positive_int,
-        default=None,
-        help="features of the linear layer and of the MLP's hidden layers, base "
-        "channels of the CNN (default: "
-        + ", ".join(f"{name} {width}" for name, width in DEFAULT_WIDTHS.items())
-        + ")",
-    )
-    parser.add_argument(
-        "--image-size",
-        type=positive_int,
-        default=None,
-        help=f"height and width of the CNN's images (default: {DEFAULT_IMAGE_SIZE})",
-    )
-    parser.add_argument(
-        "--input-shape",
-        type=shape,
-        default=None,
-        help="one example's shape for a --model package.module:factory, "
-        "comma-separated, e.g. 32,32,3 for images",
-    )
-    parser.add_argument(
-        "--impl",
-        choices=ensembles.ops.IMPLS,
-        default=None,
-        help="BatchEnsemble op implementation, set with nnx.view(model, impl=...) "
-        "(default: xla; pallas: the opt-in fused kernel of the dense layers, "
-        "on a GPU or TPU)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=None,
-        help="timed rounds per method; the median and quartiles are reported "
-        "(default: 10; --quick: 5)",
-    )
-    parser.add_argument(
-        "--default-malloc",
-        action="store_true",
-        default=None,
-        help="time with the C library's allocator as it is (default: glibc's "
-        "malloc keeps freed memory, ensembles.benchmark.reuse_freed_memory; "
-        "else a step whose temporaries pass its mmap threshold page-faults on "
-        "every call; set before JAX runs, after only a --model factory's import)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of parameters and data; --quality: the first seed of "
-        "parameters, batches and dropout (default: 0)",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=positive_int,
-        default=None,
-        help="--quality: how many seeds (--seed, --seed + 1, ...) to train and "
-        "average (default: 3; --quick: 1)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=None,
-        help="--quality: training steps of every method (default: per task, "
-        + ", ".join(f"{t} {n}" for t, n in TASK_STEPS.items())
-        + ")",
-    )
-    parser.add_argument(
-        "--task",
-        type=choice_list(tuple(TASKS)),
-        default=None,
-        help="--quality: the data, comma-separated: "
-        + ", ".join(TASKS)
-        + " (default: mnist1d). A model a task has no use for (the cnn on "
-        "tabular rows) is skipped, and the output says so",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer sizes and rounds (E=1,4, 5 rounds): under a minute on a 2-core "
-        "CPU; --quality: the CNN, one seed and smaller MNIST-1D sets (2,000 "
-        "training sequences, not 8,000; 500 test; 200 per shifted set), about a "
-        "minute: a smoke run, less accurate than the full run's figures",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument(
-        "--markdown", action="store_true", help="print a Markdown table instead"
-    )
-    parser.add_argument(
-        "--plot",
-        metavar="PATH.png",
-        help="plot throughput and memory against E (--quality: accuracy, NLL and "
-        f"ECE against shift severity); needs matplotlib: {_EXTRA_HINT}",
-    )
+    add_common_options(parser)
+    add_speed_options(parser)
+    add_quality_options(parser)
+    add_output_options(parser)
     return parser
 
 
@@ -300,6 +132,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             f"{flags} {'applies' if len(given) == 1 else 'apply'} only "
             f"{'without' if args.quality else 'with'} --quality"
         )
+    args.model_given = args.model is not None
     if args.quality:
         defaults = QUALITY_QUICK if args.quick else QUALITY_DEFAULTS
     else:
@@ -316,7 +149,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error(
-                f"--plot needs matplotlib, which is not installed: {_EXTRA_HINT} "
+                f"--plot needs matplotlib, which is not installed: {EXTRA_HINT} "
                 f"(the 'bench' extra)"
             )
     if args.quality or "train" in args.mode:
@@ -325,7 +158,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         except ImportError:
             parser.error(
                 f"{'--quality' if args.quality else '--mode train'} needs optax, "
-                f"which is not installed: {_EXTRA_HINT}"
+                f"which is not installed: {EXTRA_HINT}"
             )
     known = QUALITY_MODELS if args.quality else MODELS
     resolved = []
@@ -345,12 +178,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             )
     args.model = tuple(resolved)
     if args.quality:
-        try:
-            import mnist1d  # noqa: F401
-        except ImportError:
-            parser.error(
-                f"--quality needs mnist1d, which is not installed: {_EXTRA_HINT}"
-            )
+        if any(task.startswith("mnist1d") for task in args.task):
+            try:
+                import mnist1d  # noqa: F401
+            except ImportError:
+                parser.error(
+                    f"--task {','.join(args.task)} needs mnist1d, which is not "
+                    f"installed: {EXTRA_HINT}"
+                )
         return args
     factories = [m for m in args.model if not isinstance(m, str)]
     if factories and args.input_shape is None:
@@ -470,6 +305,8 @@ def _main_quality(
         models = [
             m for m in args.model if not isinstance(m, str) or m in TASK_MODELS[task]
         ]
+        if not models and not args.model_given:  # --quick's cnn, on rows: an mlp
+            models = list(TASK_MODELS[task][:1])
         show(f"generating {task} (offline)")
         data = load_task(task, quick=args.quick)
         try:
@@ -484,12 +321,16 @@ def _main_quality(
     for task, models, data in runs:
         skipped = [m for m in args.model if m not in models]
         steps = args.steps or TASK_STEPS[task]
-        held = validation_size(len(data.x_train))
+        if data.x_valid is not None:
+            held = f"{len(data.x_valid):,} more held out"
+        else:
+            count = validation_size(len(data.x_train), regression=data.regression)
+            held = f"{count:,} of them held out"
+        fitted = "spread scales" if data.regression else "temperatures"
         print(
             f"{task}: {len(data.x_train):,} training examples"
             + (" (--quick)" if args.quick and task.startswith("mnist1d") else "")
-            + f", {held:,} of them held out to fit temperatures; {steps} training "
-            f"steps per method"
+            + f", {held} to fit {fitted}; {steps} training steps per method"
             + (f"; {', '.join(skipped)} skipped (no use on {task})" if skipped else ""),
             flush=True,
         )

@@ -63,8 +63,10 @@ import numpy as np
 
 from ensembles.benchmark import quality_data
 from ensembles.benchmark.quality_data import SEVERITIES, QualityData
+from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
 
 __all__ = [
+    "CLASSIFICATION_TASKS",
     "DIGITS_SHIFTS",
     "HARSH_SHIFTS",
     "TABULAR_SHIFTS",
@@ -391,22 +393,34 @@ def load_mnist1d_harsh_data(
 
 # ---------------------------------------------------------------- registry
 
-#: The quality benchmark's tasks by name, each a cached loader.
-TASKS: dict[str, Callable[..., QualityData]] = {
+#: The quality benchmark's classification tasks by name, each a cached loader.
+CLASSIFICATION_TASKS: dict[str, Callable[..., QualityData]] = {
     "mnist1d": quality_data.load_quality_data,
     "digits": load_digits_data,
     "tabular": load_tabular_data,
     "mnist1d_harsh": load_mnist1d_harsh_data,
 }
 
+#: Every task of the quality benchmark by name: the classification tasks,
+#: then the regression tasks of :mod:`~ensembles.benchmark.regression_tasks`.
+TASKS: dict[str, Callable[..., QualityData]] = {
+    **CLASSIFICATION_TASKS,
+    **REGRESSION_TASKS,
+}
+
 
 #: Training steps per task, the benchmark's default (B = 100 examples per
-#: step): 25 epochs of MNIST-1D, 84 of digits, 17 of the tabular task.
+#: step): 25 epochs of MNIST-1D, 84 of digits, 17 of the tabular task; the
+#: regression tasks' were chosen on validation NLL (``docs/regression.md``).
 TASK_STEPS: dict[str, int] = {
     "mnist1d": 2000,
     "digits": 1000,
     "tabular": 1000,
     "mnist1d_harsh": 2000,
+    "cubic": 300,
+    "hetero_sine_gap": 1000,
+    "friedman1_hetero": 1000,
+    "concrete": 1000,
 }
 
 #: The benchmark's models that apply to each task: a CNN convolves the axes
@@ -416,6 +430,7 @@ TASK_MODELS: dict[str, tuple[str, ...]] = {
     "digits": ("cnn", "mlp"),
     "tabular": ("mlp",),
     "mnist1d_harsh": ("cnn", "mlp"),
+    **dict.fromkeys(REGRESSION_TASKS, ("mlp",)),
 }
 
 
@@ -428,10 +443,13 @@ def load_task(name: str, *, quick: bool = False) -> QualityData:
     >>> load_task("cifar")
     Traceback (most recent call last):
     ...
-    ValueError: unknown task 'cifar'; the tasks are digits, mnist1d, ...
+    ValueError: unknown task 'cifar'; the tasks are concrete, cubic, digits, ...
 
     Args:
-      name: ``"mnist1d"``, ``"digits"``, ``"tabular"`` or ``"mnist1d_harsh"``.
+      name: a classification task (``"mnist1d"``, ``"digits"``,
+        ``"tabular"``, ``"mnist1d_harsh"``) or a regression task
+        (``"cubic"``, ``"hetero_sine_gap"``, ``"friedman1_hetero"``,
+        ``"concrete"``).
       quick: smaller MNIST-1D sets (2,000 train, 500 test and out-of-
         distribution, 200 per shifted set), for smoke runs. The digits and
         tabular sets are small already and do not change.

@@ -21,6 +21,7 @@ from ensembles.benchmark import (
     main,
     model_inputs,
     prepare_method,
+    report,
     run_benchmark,
 )
 from tests.covering import covering
@@ -454,6 +455,79 @@ def test_a_users_model_through_run_benchmark():
     )
     with pytest.raises(ValueError, match=r"`input_shape` must give one example"):
         run_benchmark(models=[small_cnn], modes=["forward"], members=[2], repeats=1)
+
+
+QUICK_ONE_OUTPUT = ("single", "deep_ensemble")
+
+
+def regressor(rngs):
+    """A user's model with one output: ``[N, 3] -> [N, 1]``."""
+    return nnx.Sequential(
+        nnx.Linear(3, 4, rngs=rngs), nnx.relu, nnx.Linear(4, 1, rngs=rngs)
+    )
+
+
+# A spread in the quick tier; the slow tier runs every method.
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param(m, marks=[] if m in QUICK_ONE_OUTPUT else [pytest.mark.slow])
+        for m in METHODS
+    ],
+)
+def test_a_one_output_model_trains_on_the_squared_error(method):
+    # A softmax cross-entropy over one output is identically 0: its train
+    # steps used to be timed with no gradient at all. The reference: numpy's
+    # squared error of the models as built, on the rows each gets.
+    pytest.importorskip("optax")
+    prepared = prepare_method(
+        method, regressor, "train", num_members=E, batch=B, input_shape=(3,)
+    )
+    assert prepared.loss == "squared error"
+    x, targets = model_inputs(regressor, E * B, input_shape=(3,))
+    assert targets.dtype == jnp.float32 and targets.shape == (E * B,)
+    before = [np.array(leaf) for leaf in jax.tree.leaves(prepared.params())]
+    loss = np.asarray(prepared.step())
+    after = [np.array(leaf) for leaf in jax.tree.leaves(prepared.params())]
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    if method in ("single", "deep_ensemble", "deep_ensemble_loop"):
+        members = 1 if method == "single" else E
+        rows = E * B if method == "single" else B
+        expected = []
+        for k in range(members):
+            rows_k = slice(k * rows, (k + 1) * rows)
+            outputs = np.asarray(regressor(nnx.Rngs(k))(x[rows_k]))[:, 0]
+            expected.append(np.mean((outputs - np.asarray(targets[rows_k])) ** 2))
+        assert_close(loss.reshape(-1), np.asarray(expected))
+    else:
+        assert float(np.mean(loss)) > 0.1
+
+
+def test_a_classifier_still_trains_on_the_cross_entropy():
+    pytest.importorskip("optax")
+    prepared = prepare_method("single", "linear", "train", **TINY)
+    assert prepared.loss == "softmax cross-entropy"
+    assert _forward("single", "linear").loss is None
+    _, labels = model_inputs("linear", E * B, width=WIDTH)
+    assert labels.dtype == jnp.int32
+
+
+@pytest.mark.slow
+def test_run_benchmark_says_a_one_output_model_fits_the_squared_error():
+    rows = run_benchmark(
+        models=[regressor],
+        input_shape=(3,),
+        modes=["forward", "train"],
+        members=[2],
+        batch=2,
+        repeats=1,
+    )
+    assert {row["loss"] for row in rows if row["mode"] == "train"} == {"squared error"}
+    assert {row["loss"] for row in rows if row["mode"] == "forward"} == {None}
+    table = report._format_table(rows)
+    forward, train = table.split("\n\nregressor train")
+    assert "squared error" not in forward
+    assert "Trained on the squared error of the model's one output" in train
 
 
 @pytest.mark.slow  # the command, end to end

@@ -19,7 +19,10 @@ rows ``[k*B, (k+1)*B)``):
   per-model step called in a Python loop (what people write first).
 
 Every step is jitted with the model's state as an argument (split, never closed
-over) and ``mode="train"`` is forward + backward + an ``optax.adam`` update.
+over) and ``mode="train"`` is forward + backward + an ``optax.adam`` update of
+the softmax cross-entropy, or, for a model with one output (where that is
+identically 0), of the squared error against regression targets
+(:mod:`ensembles.benchmark.steps`).
 Models run as built, in training mode in both modes: ``nnx.Dropout`` draws its
 masks and ``nnx.BatchNorm`` normalizes with the batch's statistics. A train step
 carries the state that is not a parameter (rng counts, BatchNorm's running

@@ -18,6 +18,7 @@ import jax
 import pytest
 
 from ensembles.benchmark import timing
+from tests.worker_exit import pytest_sessionfinish  # noqa: F401 (a hook)
 
 # The suite never changes its own process's allocator: ensembles-bench's main
 # and the benchmarks/ scripts call reuse_freed_memory(), which would give the

@@ -552,7 +552,7 @@ def test_summary_no_gap_when_the_deep_ensemble_is_no_better(deep):
     entry = summarize(rows)[1]
     assert entry["gap_closed"] == {"in_distribution": None, "shift_mean": None}
     text = format_quality(rows)
-    assert "deep ensemble not better than one model beyond noise" in text
+    assert "No NLL gap to close: the deep ensemble is not better" in text
     assert "%" not in text
 
 
@@ -636,7 +636,10 @@ def test_quality_without_mnist1d(capsys, monkeypatch):
     with pytest.raises(SystemExit) as raised:
         main(["--quality", "--quick"])
     assert raised.value.code == 2
-    assert "--quality needs mnist1d" in capsys.readouterr().err
+    assert "--task mnist1d needs mnist1d" in capsys.readouterr().err
+    # The regression tasks need no mnist1d.
+    args = cli._parse(["--quality", "--quick", "--task", "regression"])
+    assert args.task == ("cubic", "hetero_sine_gap", "friedman1_hetero", "concrete")
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from ensembles.benchmark.quality_tasks import (
     load_tabular_data,
     load_task,
 )
+from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
 
 pytest.importorskip("sklearn")
 
@@ -224,11 +225,14 @@ def test_loading_leaves_the_global_random_state_alone():
 
 
 def test_load_task():
-    assert set(TASKS) == {"mnist1d", "digits", "tabular", "mnist1d_harsh"}
+    assert set(TASKS) == {"mnist1d", "digits", "tabular", "mnist1d_harsh"} | set(
+        REGRESSION_TASKS
+    )
+    assert not any(load_task(name).regression for name in ("digits", "tabular"))
     assert TASKS["mnist1d"] is load_quality_data
     assert load_task("digits") is load_digits_data()
     assert load_task("tabular", quick=True) is load_tabular_data()
-    with pytest.raises(ValueError, match=r"unknown task 'cifar'.*digits, mnist1d"):
+    with pytest.raises(ValueError, match=r"unknown task 'cifar'.*cubic, digits"):
         load_task("cifar")
 
 

@@ -81,8 +81,9 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
     if gaps and all(value is None for gap in gaps for value in gap.values()):
         return (
             f"No {metric.upper()} gap to close: the deep ensemble is not better "
-            "than one model beyond noise (by 2% of one model's and two standard "
-            "errors), in distribution or under shift, as trained or recalibrated."
+            "than one model beyond noise (by a fiftieth of one model's and two "
+            "standard errors), in distribution or under shift, as trained or "
+            "recalibrated."
         )
     lines = []
     for entry in group:

@@ -25,15 +25,21 @@ class KernelConfig:
       interpret: passed to ``pallas_call``: ``False`` (compiled), ``True``
         (Pallas' generic interpreter) or a ``pltpu.InterpretParams`` (the TPU
         simulator).
+      float32_matmul: cast matmul operands to float32 in the TPU kernels: the
+        Mosaic matmul of TPU v2 and v3 takes no bfloat16 operands (products
+        of bfloat16 values are exact in float32, so the results agree).
     """
 
     precision: Any
     out_dtype: Any
     interpret: Any
+    float32_matmul: bool = False
 
 
-def dot(a, b, contract, precision):
+def dot(a, b, contract, precision, float32_operands=False):
     """``lax.dot_general`` without batch axes, accumulating in float32."""
+    if float32_operands:
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return lax.dot_general(
         a,
         b,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ensembles.experimental.pallas import mosaic_gpu, mosaic_tpu, triton
+from ensembles.experimental.pallas import budget, mosaic_gpu, mosaic_tpu, triton
 from ensembles.experimental.pallas.blocks import BlockSizes, pad_to, tiling
 from ensembles.experimental.pallas.common import KernelConfig
 
@@ -163,9 +163,13 @@ class FusedConfig:
     # compiled unless `interpret`.
     family: str | None
     has_bias: bool
+    # The target is a TPU v2/v3, whose Mosaic matmul takes float32 only.
+    float32_matmul: bool = False
 
     def kernel_config(self, interpret) -> KernelConfig:
-        return KernelConfig(self.precision, self.out_dtype, interpret)
+        return KernelConfig(
+            self.precision, self.out_dtype, interpret, self.float32_matmul
+        )
 
 
 def _tiling(family: str, x3, w, config: FusedConfig):
@@ -240,7 +244,10 @@ def _dispatch(config: FusedConfig, run_family, reference, *args):
         # only, its gradient is the reference's.
         return reference(*args, config)
     if config.family is not None:
-        return run_family(config.family, *args, config, True)
+        # A named family runs interpreted: in the TPU simulator when given its
+        # parameters, in Pallas' generic interpreter otherwise.
+        interpret = config.interpret if config.interpret is not False else True
+        return run_family(config.family, *args, config, interpret)
     if config.interpret is True:
         return run_family("gpu", *args, config, True)
     if config.interpret is not False:
@@ -252,6 +259,53 @@ def _dispatch(config: FusedConfig, run_family, reference, *args):
         tpu=lambda *a: run_family("tpu", *a, config, False),
         default=lambda *a: reference(*a, config),
     )
+
+
+def _check_interpret(interpret, family):
+    """A TypeError unless ``interpret`` is one the kernel ``family`` runs in."""
+    if isinstance(interpret, bool):
+        return
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import tpu as pltpu
+
+    gpu_params = getattr(plgpu, "InterpretGPUParams", None)
+    if isinstance(interpret, pltpu.InterpretParams) and family != "hopper":
+        return
+    if gpu_params is not None and isinstance(interpret, gpu_params):
+        if family == "hopper":
+            return
+        raise TypeError(
+            f"`interpret` {interpret!r} configures jax's Mosaic GPU interpreter, "
+            f'which runs family="hopper" only; family={family!r} runs in the TPU '
+            f"simulator: pass a `jax.experimental.pallas.tpu.InterpretParams`."
+        )
+    if family == "hopper":
+        raise TypeError(
+            f'family="hopper" runs in jax\'s Mosaic GPU interpreter: `interpret` '
+            f"must be a bool or a `jax.experimental.pallas.mosaic_gpu."
+            f"InterpretGPUParams` (jax >= 0.12), got {interpret!r} of type "
+            f"{type(interpret).__name__}."
+        )
+    raise TypeError(
+        f"`interpret` must be a bool or a "
+        f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} "
+        f"of type {type(interpret).__name__}."
+    )
+
+
+def _check_budget(config: FusedConfig, where: budget.Target, dtype, x3_shape, w_shape):
+    """Refuses tiles the compiled kernel for ``where`` has no memory for."""
+    family = {"cuda": "gpu", "tpu": "tpu"}.get(where.platform)
+    if config.interpret is not False or config.family is not None or family is None:
+        return  # interpreted (no on-chip memory), or no kernel on that platform
+    t = tiling(
+        family,
+        rows=x3_shape[1],
+        in_features=x3_shape[2],
+        out_features=w_shape[1],
+        blocks=config.blocks,
+    )
+    budget.check_tiles(family, t, config.blocks, dtype, config.out_dtype, where)
 
 
 def _forward(x3, w, r, s, bias, config: FusedConfig):
@@ -333,10 +387,17 @@ def fused_dense(
         float32. The kernels always accumulate in float32.
       interpret: ``False`` runs the compiled kernel of the platform (Triton on
         GPU, Mosaic on TPU; CPU, which has no compiled Pallas backend,
-        interprets the GPU kernel). ``True`` runs the GPU kernel in Pallas'
-        interpreter on any platform. A ``pltpu.InterpretParams(...)`` runs the
-        TPU kernel in Pallas' TPU simulator.
+        interprets the GPU kernel). ``True`` runs the GPU kernel (or the named
+        ``family``) in Pallas' interpreter on any platform. A
+        ``pltpu.InterpretParams(...)`` runs the TPU kernel (or the named
+        ``family``: the Triton kernels run in it unchanged) in Pallas' TPU
+        simulator, whose defaults raise on an out-of-bounds read and fill
+        uninitialised memory with NaN. ``family="hopper"`` takes ``True`` or a
+        ``plgpu.InterpretGPUParams(...)`` (jax's Mosaic GPU interpreter).
       block_sizes: tile sizes, :class:`BlockSizes` (default: ``BlockSizes()``).
+        Compiled for a GPU or TPU (the default device, or the device of the
+        mesh set while tracing), tiles that do not fit its shared memory or
+        VMEM are refused here (``docs/fused_kernel.md``).
       family: one of :data:`FAMILIES` to run that kernel family instead of the
         platform's: ``"gpu"`` or ``"tpu"`` interprets it (tests run both on
         CPU this way); ``"hopper"`` runs the Mosaic GPU forward kernel of
@@ -348,7 +409,8 @@ def fused_dense(
       The ``[E*B, ..., out_features]`` outputs.
 
     Raises:
-      ValueError: if ``family`` is not one of :data:`FAMILIES`.
+      ValueError: if ``family`` is not one of :data:`FAMILIES`, or if the
+        tiles do not fit the target chip's on-chip memory.
       TypeError: for unsupported dtypes, or an ``interpret`` or
         ``block_sizes`` of the wrong type.
     """
@@ -359,22 +421,15 @@ def fused_dense(
             f"`block_sizes` must be an `ensembles.experimental.pallas.BlockSizes` "
             f"or None, got {block_sizes!r} of type {type(block_sizes).__name__}."
         )
-    if not isinstance(interpret, bool):
-        from jax.experimental.pallas import tpu as pltpu
-
-        if not isinstance(interpret, pltpu.InterpretParams):
-            raise TypeError(
-                f"`interpret` must be a bool or a "
-                f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} "
-                f"of type {type(interpret).__name__}."
-            )
     if family is not None and family not in FAMILIES:
         raise ValueError(
             f"`family` must be None or one of {list(FAMILIES)}, got {family!r}."
         )
+    _check_interpret(interpret, family)
     dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
     if family == "hopper":
         mosaic_gpu.check_dtype(dtype)
+    where = budget.target()
     config = FusedConfig(
         blocks=block_sizes,
         precision=precision,
@@ -382,6 +437,7 @@ def fused_dense(
         interpret=interpret,
         family=family,
         has_bias=bias is not None,
+        float32_matmul=where.float32_matmul,
     )
     num_members, in_features = r.shape
     out_features = kernel.shape[1]
@@ -390,5 +446,6 @@ def fused_dense(
         # and every gradient (zero) known; the "xla" path agrees.
         return jnp.zeros((*inputs.shape[:-1], out_features), config.out_dtype)
     x3 = inputs.reshape(num_members, -1, in_features)
+    _check_budget(config, where, dtype, x3.shape, kernel.shape)
     y3 = _fused(x3, kernel, r, s, bias, config)
     return y3.reshape(*inputs.shape[:-1], out_features)

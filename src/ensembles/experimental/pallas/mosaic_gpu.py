@@ -268,7 +268,10 @@ def _kernel_body(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params():
+def _interpret_params(interpret):
+    """``interpret`` if it is the interpreter's parameters, else the poisoned ones."""
+    if interpret is not True:
+        return interpret  # fused_dense checked it is an InterpretGPUParams
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:
         raise NotImplementedError(
@@ -306,7 +309,9 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
       bias: ``[E, out]`` bias or ``None``.
       config: ``precision`` (any: bfloat16 products are exact in the float32
         accumulator), ``out_dtype`` and ``interpret`` (``False``: compiled for
-        the GPU; otherwise jax's Mosaic GPU interpreter).
+        the GPU; ``True``: jax's Mosaic GPU interpreter with uninitialised
+        memory NaN, out-of-bounds reads raising and races detected; a
+        ``plgpu.InterpretGPUParams``: that interpreter with those parameters).
 
     Returns:
       The ``[E, R, out]`` outputs in ``config.out_dtype``.
@@ -351,7 +356,11 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
             "sb_smem": plgpu.SMEM((2, 2, tiles.tile_n), x3.dtype),
             "sb_barrier": plgpu.Barrier(num_arrivals=1, num_barriers=4),
         },
-        **({} if config.interpret is False else {"interpret": _interpret_params()}),
+        **(
+            {}
+            if config.interpret is False
+            else {"interpret": _interpret_params(config.interpret)}
+        ),
     )
     y3 = kernel(*operands)
     return y3[:, :rows, :out_features]

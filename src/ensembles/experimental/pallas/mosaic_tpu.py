@@ -27,7 +27,13 @@ def _params(*semantics: str):
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _forward_kernel(x_ref, w_ref, r_ref, s_ref, *rest, precision):
+def _matmul_options(config: KernelConfig) -> dict:
+    # TPU v2/v3's Mosaic matmul takes float32 operands only (libtpu's E2001 on
+    # a bfloat16 tile); the caller reads the chip (budget.Target).
+    return {"precision": config.precision, "float32": config.float32_matmul}
+
+
+def _forward_kernel(x_ref, w_ref, r_ref, s_ref, *rest, precision, float32):
     # Grid (member, row block, out block, in block); in is "arbitrary".
     *bias_ref, o_ref, acc_ref = rest
     k = pl.program_id(3)
@@ -36,7 +42,7 @@ def _forward_kernel(x_ref, w_ref, r_ref, s_ref, *rest, precision):
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] += dot(x_ref[...] * r_ref[...], w_ref[...], NN, precision)
+    acc_ref[...] += dot(x_ref[...] * r_ref[...], w_ref[...], NN, precision, float32)
 
     @pl.when(k == pl.num_programs(3) - 1)
     def _store():
@@ -55,7 +61,7 @@ def forward(x3, w, r3, s3, bias3, tiling: Tiling, config: KernelConfig):
     vectors = [s3] + ([] if bias3 is None else [bias3])
     out_shape = (num_members, rows, out_features)
     return pl.pallas_call(
-        functools.partial(_forward_kernel, precision=config.precision),
+        functools.partial(_forward_kernel, **_matmul_options(config)),
         out_shape=jax.ShapeDtypeStruct(out_shape, config.out_dtype),
         grid=(
             num_members,
@@ -83,7 +89,7 @@ def forward(x3, w, r3, s3, bias3, tiling: Tiling, config: KernelConfig):
 
 
 def _dx_kernel(
-    g_ref, w_ref, s_ref, r_ref, x_ref, dx_ref, dr_ref, acc_ref, *, precision
+    g_ref, w_ref, s_ref, r_ref, x_ref, dx_ref, dr_ref, acc_ref, *, precision, float32
 ):
     # Grid (member, row block, in block, out block); out is "arbitrary".
     k = pl.program_id(3)
@@ -93,7 +99,8 @@ def _dx_kernel(
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     scaled = g_ref[...].astype(jnp.float32) * s_ref[...].astype(jnp.float32)
-    acc_ref[...] += dot(scaled.astype(x_ref.dtype), w_ref[...], NT, precision)
+    scaled = scaled.astype(x_ref.dtype)
+    acc_ref[...] += dot(scaled, w_ref[...], NT, precision, float32)
 
     @pl.when(k == pl.num_programs(3) - 1)
     def _store():
@@ -112,7 +119,7 @@ def _input_grad(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig):
     num_row_blocks = num_blocks(rows, bm)
     dr_shape = (num_members, num_row_blocks, 1, in_features)
     dx3, dr_parts = pl.pallas_call(
-        functools.partial(_dx_kernel, precision=config.precision),
+        functools.partial(_dx_kernel, **_matmul_options(config)),
         out_shape=(
             jax.ShapeDtypeStruct(x3.shape, x3.dtype),
             jax.ShapeDtypeStruct(dr_shape, jnp.float32),
@@ -156,6 +163,7 @@ def _dw_kernel(
     grad_acc_ref,
     *,
     precision,
+    float32,
 ):
     # Grid (in block, out block, member, row block); the last two are
     # "arbitrary": dW accumulates over members, G_k over a member's row blocks.
@@ -174,7 +182,7 @@ def _dw_kernel(
         grad_acc_ref[...] = jnp.zeros_like(grad_acc_ref)
 
     x = (x_ref[...] * r_ref[...]).astype(x_ref.dtype)
-    grad_acc_ref[...] += dot(x, g_ref[...], TN, precision)
+    grad_acc_ref[...] += dot(x, g_ref[...], TN, precision, float32)
 
     @pl.when(last_row_block)
     def _member_done():
@@ -197,7 +205,7 @@ def _kernel_grad(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig):
     num_in_blocks = num_blocks(in_features, bm)
     ds_shape = (num_in_blocks, num_members, 1, out_features)
     dw, ds_parts = pl.pallas_call(
-        functools.partial(_dw_kernel, precision=config.precision),
+        functools.partial(_dw_kernel, **_matmul_options(config)),
         out_shape=(
             jax.ShapeDtypeStruct(w.shape, w.dtype),
             jax.ShapeDtypeStruct(ds_shape, jnp.float32),

@@ -370,7 +370,9 @@ def run_quality(
       ``train_s`` and the measurements of :func:`evaluate` (regression: of
       :func:`~ensembles.benchmark.quality_regression.evaluate_regression`;
       the methods train on targets standardised with the training split's
-      mean and standard deviation, and are scored in the targets' units). A
+      mean and standard deviation, keep the parameters of their best of 20
+      checks of the validation split's NLL, ``best_step``, and are scored in
+      the targets' units). A
       method whose training diverged has ``diverged`` True and NaN figures;
       the others' rows stand.
 
@@ -386,10 +388,11 @@ def run_quality(
     data = load_quality_data() if data is None else data
     check_run(models, methods, data)  # refuse now, not after an hour of training
     train_data, x_valid, y_valid = split_validation(data)
-    y_train, num_classes, scale = train_data.y_train, None, None
+    y_train, num_classes, scale, stopping = train_data.y_train, None, None, None
     if data.regression:  # trained on standardised targets, scored in theirs
         scale = TargetScale(train_data.y_train)
         y_train = scale.standardise(train_data.y_train)
+        stopping = (x_valid, scale.standardise(y_valid))
     else:
         num_classes = data.num_classes
     finetune_steps = max(1, int(steps * FINETUNE_FRACTION))
@@ -409,6 +412,7 @@ def run_quality(
             start=start,
             num_classes=num_classes,
             regression=data.regression,
+            early_stopping=stopping,
         )
 
     def measure(trained: Trained) -> dict[str, Any]:
@@ -420,7 +424,12 @@ def run_quality(
             measured = evaluate(trained, data, x_valid=x_valid, y_valid=y_valid)
         if measured["diverged"]:
             show(f"{trained.method} diverged: its figures are NaN")
-        return {"params": trained.params, "train_s": trained.train_s, **measured}
+        return {
+            "params": trained.params,
+            "train_s": trained.train_s,
+            "best_step": trained.best_step,
+            **measured,
+        }
 
     # `single` does not depend on E: trained once per model and seed, its row
     # repeated for every E, and its model the start of `finetuned`.

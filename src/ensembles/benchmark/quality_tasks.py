@@ -417,10 +417,10 @@ TASK_STEPS: dict[str, int] = {
     "digits": 1000,
     "tabular": 1000,
     "mnist1d_harsh": 2000,
-    "cubic": 300,
-    "hetero_sine_gap": 1000,
-    "friedman1_hetero": 1000,
-    "concrete": 1000,
+    "cubic": 1000,
+    "hetero_sine_gap": 2000,
+    "friedman1_hetero": 2000,
+    "concrete": 2000,
 }
 
 #: The benchmark's models that apply to each task: a CNN convolves the axes

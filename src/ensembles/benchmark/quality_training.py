@@ -25,7 +25,14 @@ import ensembles
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles.benchmark.quality_models import ModelSpec, build_model
 
-__all__ = ["Context", "objective", "optimizer", "train_steps"]
+__all__ = [
+    "Context",
+    "gaussian_pairs",
+    "objective",
+    "optimizer",
+    "train_steps",
+    "validation_loss",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +155,33 @@ def gaussian_pairs(outputs: jax.Array, target_shape: tuple[int, ...]) -> jax.Arr
     return outputs.reshape(*outputs.shape[:-1], *target_shape, 2)
 
 
+def validation_loss(
+    predict_fn: Callable,
+    x_valid: np.ndarray,
+    y_valid: np.ndarray,
+    regression: bool,
+    min_std: float,
+) -> Callable[[nnx.Module], jax.Array]:
+    """The method's NLL on held-out examples, as it predicts (for early stopping).
+
+    A classifier's: :func:`ensembles.uncertainty.nll` of its member logits;
+    a regressor's: :func:`ensembles.uncertainty.mixture_nll` of its members'
+    Gaussians (targets as it trains on them, standardised).
+    """
+    x, y = jnp.asarray(x_valid), jnp.asarray(y_valid)
+
+    def loss(model):
+        outputs = predict_fn(model, x)
+        if not regression:
+            return ensembles.uncertainty.nll(outputs, y)
+        means, stds = ensembles.training.gaussian_head(
+            gaussian_pairs(outputs, y.shape[1:]), min_std=min_std
+        )
+        return ensembles.uncertainty.mixture_nll(means, stds, y)
+
+    return loss
+
+
 def optimizer(
     model: nnx.Module,
     *,
@@ -180,11 +214,23 @@ def train_steps(
     optimizer: nnx.Optimizer,
     loss_fn: Callable,
     context: Context,
-) -> float:
-    """Runs every step (jitted, the batch drawn on the device); returns seconds.
+    validate: Callable[[nnx.Module], jax.Array] | None = None,
+    checks: int = 20,
+) -> tuple[float, int]:
+    """Runs every step (jitted, the batch drawn on the device).
 
-    ``loss_fn(model, key, step)`` draws its batch from ``key``; the seconds
-    count every step, the first one's compilation included.
+    ``loss_fn(model, key, step)`` draws its batch from ``key``. With
+    ``validate`` (the model's loss on held-out examples, lower is better)
+    the model is checked ``checks`` times, evenly over the steps (the last
+    step included), and ends with the parameters of its best check: early
+    stopping, without stopping (the steps are a cap, so every method runs
+    the same number).
+
+    Returns:
+      ``(seconds, best_step)``: the seconds count every step and check, the
+      first step's compilation included; ``best_step`` is the number of steps
+      the kept parameters had trained (``context.steps`` without
+      ``validate``).
     """
 
     @nnx.jit
@@ -193,9 +239,22 @@ def train_steps(
         optimizer.update(model, grads)
         return loss
 
-    keys = jax.random.split(context.key(2), context.steps)
+    steps = context.steps
+    every = max(1, steps // checks)
+    checked = validate is not None
+    keys = jax.random.split(context.key(2), steps)
+    best_step, best_loss, best_state = steps, math.inf, None
     began = time.perf_counter()
-    for step in range(context.steps):
+    for step in range(steps):
         loss = train_step(net, optimizer, keys[step], jnp.asarray(step))
+        done = step + 1
+        if checked and (done % every == 0 or done == steps):
+            value = float(validate(net))
+            if value < best_loss:  # a NaN never is: a diverged check is skipped
+                best_step, best_loss = done, value
+                # A copy of the values: the optimizer replaces, never mutates.
+                best_state = jax.tree.map(lambda x: x, nnx.state(net))
     jax.block_until_ready(loss)
-    return time.perf_counter() - began
+    if best_state is not None:
+        nnx.update(net, best_state)
+    return time.perf_counter() - began, best_step

@@ -223,7 +223,7 @@ def to_batch_ensemble(
 def _check_initializers(
     r_init: Any, s_init: Any, input_r_init: Any
 ) -> Initializer | None:
-    """Checks the fast-weight initializers; returns the input layer's ``r``'s.
+    """Checks the fast-weight initializers; returns the input layers' ``r`` one.
 
     ``None`` where the input layer takes ``r_init`` like every other layer
     (an explicit ``r_init`` and no ``input_r_init``). An ``input_r_init``

@@ -1,9 +1,17 @@
-"""Predictive statistics and metrics of an ensemble, from its members' logits.
+"""Predictive statistics and metrics of an ensemble, from its members' outputs.
 
-Every function takes the members' logits as one ``[E, B, C]`` array (members,
-examples, classes), the layout :func:`ensembles.untile` gives a model's
-member-major ``[E*B, C]`` outputs. The ensemble's prediction is the mean of the
-member softmaxes, the predictive ``p(y | x) = 1/E sum_k p_k(y | x)``.
+A classifier's functions take the members' logits as one ``[E, B, C]`` array
+(members, examples, classes), the layout :func:`ensembles.untile` gives a
+model's member-major ``[E*B, C]`` outputs. The ensemble's prediction is the
+mean of the member softmaxes, the predictive ``p(y | x) = 1/E sum_k p_k(y |
+x)``. A regressor's functions (:mod:`~ensembles.uncertainty.regression`,
+:mod:`~ensembles.uncertainty.regression_scores`,
+:mod:`~ensembles.uncertainty.regression_calibration`) take the members'
+means and standard deviations ``[E, B]`` or ``[E, B, D]`` and score their
+exact uniform mixture; one-output logits ``[E, B, 1]`` are refused by every
+classification function, which would otherwise return a constant (a softmax
+over one class), and the error names the regression functions. The rest of
+this page is about classifiers.
 
 Its uncertainty splits into two parts::
 

@@ -946,3 +946,32 @@ def test_a_temperature_the_validation_set_cannot_identify_is_flagged():
     assert any(
         line.startswith("batchensemble") and "*" in line for line in text.splitlines()
     )
+
+
+def test_a_diverged_classifier_is_marked_and_the_others_stand(data):
+    # A method whose logits are NaN (training diverged) crashed the whole run
+    # after training, in the temperature fit; now its row says so.
+    def nan_logits(x):
+        return np.full((2, len(x), 10), np.nan, np.float32)
+
+    broken = dataclasses.replace(
+        train_method(
+            "single", "mlp", data.x_train, data.y_train, num_members=2, steps=1
+        ),
+        predict=nan_logits,
+    )
+    _, x_valid, y_valid = split_validation(data)
+    result = evaluate(broken, data, x_valid=x_valid, y_valid=y_valid)
+    assert result["diverged"] and np.isnan(result["temperature"])
+    assert np.isnan(result["recalibrated"]["in_distribution"]["nll"])
+    rows = [
+        {**_row("single", 0.5), "diverged": True, "in_distribution": {"nll": np.nan}},
+        {**_row("batchensemble", 0.4), "diverged": False},
+        {**_row("deep_ensemble", 0.3), "diverged": False},
+    ]
+    text = format_quality(rows)
+    assert "single (diverged)" in text
+    # The best cell is filled although the first method's value is NaN.
+    best = next(line for line in text.splitlines() if line.startswith("best"))
+    assert "deep_ensemble" in best
+    assert summarize(rows)[1]["gap_closed_as_trained"]["in_distribution"] is None

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 
+import ensembles
 from ensembles.benchmark.quality import split_validation
 from ensembles.benchmark.quality_methods import train_method
 from ensembles.benchmark.quality_regression import TargetScale, evaluate_regression
@@ -47,10 +48,25 @@ def candidates(betas=(0.0, 0.5), stopping=(False, True), factors=(1.0,)):
             "beta": beta,
             "stop": stop,
             "factor": f,
+            "init": None,
         }
         for beta in betas
         for stop in stopping
         for f in factors
+    }
+
+
+def init_candidates(stds, beta, stop):
+    """BatchEnsemble's fast weights from N(1, std^2) (the input layer's r random
+    signs, as the library's default); ``None`` is the library's default."""
+    return {
+        f"init {'default' if std is None else f'N(1, {std})'}": {
+            "beta": beta,
+            "stop": stop,
+            "factor": 1.0,
+            "init": std,
+        }
+        for std in stds
     }
 
 
@@ -63,8 +79,14 @@ def measure(task, recipes, seeds, show):
     results = []
     for name, recipe in recipes.items():
         steps = max(1, round(TASK_STEPS[task] * recipe["factor"]))
+        options = {}
+        if recipe["init"] is not None:
+            options["fast_weight_init"] = ensembles.initializers.normal(
+                1.0, recipe["init"]
+            )
+        methods = METHODS if recipe["init"] is None else ("batchensemble",)
         for seed in seeds:
-            for method in METHODS:
+            for method in methods:
                 show(f"{task} {name} seed {seed} {method}")
                 trained = train_method(
                     method,
@@ -77,6 +99,7 @@ def measure(task, recipes, seeds, show):
                     regression=True,
                     beta=recipe["beta"],
                     early_stopping=stopping if recipe["stop"] else None,
+                    **options,
                 )
                 result = evaluate_regression(
                     trained, data, x_valid=x_valid, y_valid=y_valid, scale=scale
@@ -158,6 +181,12 @@ def main(argv=None):
     parser.add_argument("--betas", default="0,0.5")
     parser.add_argument("--stopping", default="0,1", help="0: last step, 1: best check")
     parser.add_argument("--factors", default="1", help="multiples of the task's steps")
+    parser.add_argument(
+        "--inits",
+        default=None,
+        help="BatchEnsemble only: fast-weight init stds ('default': the library's), "
+        "with the first --betas and --stopping",
+    )
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     parser.add_argument("--json", default=None)
     parser.add_argument("--report", nargs="+", default=None)
@@ -169,11 +198,14 @@ def main(argv=None):
                 results += json.load(handle)
         print(report(results))
         return 0
-    recipes = candidates(
-        tuple(float(b) for b in args.betas.split(",")),
-        tuple(bool(int(s)) for s in args.stopping.split(",")),
-        tuple(float(f) for f in args.factors.split(",")),
-    )
+    betas = tuple(float(b) for b in args.betas.split(","))
+    stopping = tuple(bool(int(s)) for s in args.stopping.split(","))
+    if args.inits:
+        stds = [None if v == "default" else float(v) for v in args.inits.split(",")]
+        recipes = init_candidates(stds, betas[0], stopping[0])
+    else:
+        factors = tuple(float(f) for f in args.factors.split(","))
+        recipes = candidates(betas, stopping, factors)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     results = []
     for task in args.tasks.split(","):

@@ -216,10 +216,10 @@ def train_method(
     >>> trained.predict(x[:5]).shape
     (2, 5, 10)
     >>> targets = np.linspace(-1, 1, 20, dtype=np.float32)  # regression
-    >>> trained = train_method("deep_ensemble", "mlp", x, targets, num_members=2,
+    >>> trained = train_method("single", "mlp", x, targets, num_members=2,
     ...                        steps=2, regression=True)
-    >>> trained.predict(x[:5]).shape  # a mean and a raw spread per member
-    (2, 5, 2)
+    >>> trained.predict(x[:5]).shape  # one model: a mean and a raw spread
+    (1, 5, 2)
 
     Args:
       method: one of :data:`QUALITY_METHODS`.

@@ -1,10 +1,11 @@
 """The fused Pallas kernel: poisoned against out-of-bounds access, exact when ragged.
 
 CPU has no compiled Pallas backend, so numerics are checked in Pallas'
-interpreters (both kernel families; the TPU family once in the TPU simulator),
-and the GPU/TPU paths are proven by lowering for "cuda" and "tpu" from this
-machine (``test_pallas_lowering.py``; the options and errors are in
-``test_pallas_errors.py``).
+generic interpreter here (both kernel families) and in its TPU simulator
+(``test_pallas_simulator.py``); the GPU/TPU paths are lowered for "cuda" and
+"tpu" from this machine (``test_pallas_lowering.py``) and compiled for an H100
+and TPUs in the compile tier (``test_compile.py``); the options and errors are
+in ``test_pallas_errors.py``.
 
 Why the interceptor. Pallas' Triton lowering masks no load or store: a block
 that overhangs its array reads and writes the neighbouring rows, members or
@@ -23,7 +24,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 import ensembles
 from ensembles.experimental.pallas import BlockSizes, fused_dense
@@ -250,26 +250,6 @@ def test_gpu_kernels_with_small_blocks(launches, case):
     flat_args = (args[0].reshape(-1, fan_in), *args[1:])
     assert_matches_reference(fn, flat_args, num_members, dtype)
     assert len(launches) >= 3
-
-
-@pytest.mark.slow
-def test_tpu_kernels_in_the_tpu_simulator(launches):
-    # Random grid order and NaN-filled VMEM: a stricter check of the
-    # accumulators' init/store logic.
-    args = make_args(5, 2, 20, (), 7, 5, jnp.float32)
-    params = pltpu.InterpretParams(random_seed=0)
-
-    def fn(*a):
-        return batch_ensemble_dense(
-            *a,
-            num_members=2,
-            impl="pallas",
-            interpret=params,
-            block_sizes=SMALL_BLOCKS,
-        )
-
-    assert pallas_calls(fn, args) == [params]
-    assert_matches_reference(fn, args, 2, jnp.float32)
 
 
 def test_preferred_element_type_float32_on_bfloat16():

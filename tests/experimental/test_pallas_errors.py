@@ -114,3 +114,22 @@ class TestErrors:
             batch_ensemble_dense(
                 x[:5], kernel, r, s, bias, num_members=2, impl="pallas"
             )
+
+
+def test_each_family_takes_its_own_interpreters_parameters():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import tpu as pltpu
+
+    from ensembles.experimental.pallas import fused_dense
+
+    args = make_args(0, 2, 4, (), 8, 8, jnp.bfloat16)
+    with pytest.raises(
+        TypeError, match=r"family=\"hopper\" runs in jax's Mosaic GPU interpreter"
+    ):
+        fused_dense(*args, family="hopper", interpret=pltpu.InterpretParams())
+    if hasattr(plgpu, "InterpretGPUParams"):  # jax >= 0.12
+        for family in ("gpu", "tpu", None):
+            with pytest.raises(
+                TypeError, match=r"configures jax's Mosaic GPU interpreter"
+            ):
+                fused_dense(*args, family=family, interpret=plgpu.InterpretGPUParams())

@@ -14,9 +14,11 @@ on::
     python benchmarks/regression_defaults.py --json recipes.json
     python benchmarks/regression_defaults.py --report recipes.json
 
-A recipe is the beta-NLL exponent, whether the parameters of the best of 20
-checks of the validation NLL are kept (early stopping), and the steps (a
-multiple of the task's default).
+A recipe is the beta-NLL exponent, whether the parameters of the best check
+of the validation NLL are kept (early stopping;
+``quality_methods.EARLY_STOPPING_CHECKS`` checks, 20 when the recipe was
+chosen on 2026-11-26), and the steps (a multiple of the task's default);
+``--inits`` compares BatchEnsemble's fast-weight inits under one recipe.
 """
 
 import argparse

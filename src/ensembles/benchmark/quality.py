@@ -370,7 +370,7 @@ def run_quality(
       ``train_s`` and the measurements of :func:`evaluate` (regression: of
       :func:`~ensembles.benchmark.quality_regression.evaluate_regression`;
       the methods train on targets standardised with the training split's
-      mean and standard deviation, keep the parameters of their best of 20
+      mean and standard deviation, keep the parameters of their best of 40
       checks of the validation split's NLL, ``best_step``, and are scored in
       the targets' units). A
       method whose training diverged has ``diverged`` True and NaN figures;

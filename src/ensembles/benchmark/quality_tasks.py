@@ -420,7 +420,7 @@ TASK_STEPS: dict[str, int] = {
     "cubic": 1000,
     "hetero_sine_gap": 2000,
     "friedman1_hetero": 2000,
-    "concrete": 2000,
+    "concrete": 1000,
 }
 
 #: The benchmark's models that apply to each task: a CNN convolves the axes

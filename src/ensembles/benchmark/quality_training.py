@@ -215,7 +215,7 @@ def train_steps(
     loss_fn: Callable,
     context: Context,
     validate: Callable[[nnx.Module], jax.Array] | None = None,
-    checks: int = 20,
+    checks: int,
 ) -> tuple[float, int]:
     """Runs every step (jitted, the batch drawn on the device).
 

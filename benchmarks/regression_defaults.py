@@ -51,6 +51,7 @@ def candidates(betas=(0.0, 0.5), stopping=(False, True), factors=(1.0,)):
             "stop": stop,
             "factor": f,
             "init": None,
+            "batchensemble_only": False,
         }
         for beta in betas
         for stop in stopping
@@ -67,6 +68,7 @@ def init_candidates(stds, beta, stop):
             "stop": stop,
             "factor": 1.0,
             "init": std,
+            "batchensemble_only": True,
         }
         for std in stds
     }
@@ -86,7 +88,7 @@ def measure(task, recipes, seeds, show):
             options["fast_weight_init"] = ensembles.initializers.normal(
                 1.0, recipe["init"]
             )
-        methods = METHODS if recipe["init"] is None else ("batchensemble",)
+        methods = ("batchensemble",) if recipe["batchensemble_only"] else METHODS
         for seed in seeds:
             for method in methods:
                 show(f"{task} {name} seed {seed} {method}")

@@ -63,6 +63,8 @@ def test_candidates_name_every_recipe(script):
         "stop": True,
         "factor": 1.0,
         "init": None,
+        "batchensemble_only": False,
     }
     inits = script.init_candidates([None, 0.25], 0.5, True)
     assert list(inits) == ["init default", "init N(1, 0.25)"]
+    assert all(recipe["batchensemble_only"] for recipe in inits.values())

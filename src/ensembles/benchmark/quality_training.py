@@ -215,16 +215,16 @@ def train_steps(
     loss_fn: Callable,
     context: Context,
     validate: Callable[[nnx.Module], jax.Array] | None = None,
-    checks: int,
+    checks: int = 1,
 ) -> tuple[float, int]:
     """Runs every step (jitted, the batch drawn on the device).
 
     ``loss_fn(model, key, step)`` draws its batch from ``key``. With
     ``validate`` (the model's loss on held-out examples, lower is better)
     the model is checked ``checks`` times, evenly over the steps (the last
-    step included), and ends with the parameters of its best check: early
-    stopping, without stopping (the steps are a cap, so every method runs
-    the same number).
+    step included; 1: only after it), and ends with the parameters of its
+    best check: early stopping, without stopping (the steps are a cap, so
+    every method runs the same number).
 
     Returns:
       ``(seconds, best_step)``: the seconds count every step and check, the

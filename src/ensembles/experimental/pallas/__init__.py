@@ -21,6 +21,8 @@ Modules, one concern each:
   matmul the families share.
 * :mod:`.triton`: the GPU family (Triton), interpreted on CPU.
 * :mod:`.mosaic_tpu`: the TPU family (Mosaic).
+* :mod:`.budget`: each kernel's shared memory or VMEM, the chips' budgets and
+  the target chip; tiles that do not fit are refused when chosen.
 * :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), run by
   ``fused_dense(..., family="hopper")``; no platform picks it until it is
   measured on a GPU.

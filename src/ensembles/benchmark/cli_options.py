@@ -121,9 +121,10 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help="fewer sizes and rounds (E=1,4, 5 rounds): under a minute on a 2-core "
-        "CPU; --quality: the CNN, one seed and smaller MNIST-1D sets (2,000 "
-        "training sequences, not 8,000; 500 test; 200 per shifted set), about a "
-        "minute: a smoke run, less accurate than the full run's figures",
+        "CPU; --quality: one seed, and on MNIST-1D the CNN and smaller sets "
+        "(2,000 training sequences, not 8,000; 500 test; 200 per shifted set), "
+        "about four minutes on a 2-core CPU (a regression task: its MLP, one "
+        "seed): a smoke run, less accurate than the full run's figures",
     )
 
 

@@ -199,15 +199,34 @@ def test_evaluate_regression_scores_the_mixture_in_target_units():
 
 def test_a_diverged_method_is_marked_and_the_others_stand():
     data = _tiny()
-    rows = run_quality(
-        models=[_mlp],
-        members=[2],
-        steps=3,
-        data=data,
-        methods=["single", "deep_ensemble"],
-    )
     train, x_valid, y_valid = split_validation(data)
     scale = TargetScale(train.y_train)
+
+    def row(method, outputs_of):
+        measured = evaluate_regression(
+            _fixed(outputs_of), data, x_valid=x_valid, y_valid=y_valid, scale=scale
+        )
+        return {
+            "task": "tiny",
+            "regression": True,
+            "method": method,
+            "model": "m",
+            "members": 2,
+            "seed": 0,
+            "params": 1,
+            "train_s": 0.0,
+            **measured,
+        }
+
+    def fine(spread):  # two members near the truth, of a given spread
+        def outputs(x):
+            mean = (2 * x[:, 0] + 10 - scale.mean) / scale.std
+            raw = np.full_like(mean, np.log(np.expm1(spread)))
+            return np.stack([np.stack([mean + d, raw], -1) for d in (-0.05, 0.05)])
+
+        return outputs
+
+    rows = [row("single", fine(0.2)), row("deep_ensemble", fine(0.15))]
     broken = evaluate_regression(
         _fixed(lambda x: np.full((2, len(x), 2), np.nan, np.float32)),
         data,

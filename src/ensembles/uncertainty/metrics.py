@@ -52,7 +52,7 @@ def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
     >>> from ensembles import uncertainty
     >>> logits = jnp.log(jnp.array([[[0.9, 0.1]], [[0.5, 0.5]]]))  # predictive .7/.3
     >>> uncertainty.nll(logits, jnp.array([0]))  # -log 0.7
-    Array(0.35667497, dtype=float32)
+    Array(0.35667..., dtype=float32)
 
     Args:
       logits: member logits of shape ``[E, B, C]``.

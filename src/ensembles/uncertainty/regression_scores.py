@@ -71,7 +71,7 @@ def mixture_nll(means: jax.Array, stds: jax.Array, targets: jax.Array) -> jax.Ar
     >>> from ensembles import uncertainty
     >>> means, stds = jnp.array([[0.0], [0.0]]), jnp.array([[1.0], [1.0]])
     >>> uncertainty.mixture_nll(means, stds, jnp.array([0.0]))  # log sqrt(2 pi)
-    Array(0.9189385, dtype=float32)
+    Array(0.91893..., dtype=float32)
 
     Args:
       means: the members' means, ``[E, B]`` or ``[E, B, D]``.
@@ -198,7 +198,7 @@ def rmse(means: jax.Array, stds: jax.Array | None, targets: jax.Array) -> jax.Ar
     >>> from ensembles import uncertainty
     >>> means = jnp.array([[0.0, 2.0], [2.0, 2.0]])  # mixture means 1, 2
     >>> uncertainty.rmse(means, None, jnp.array([0.0, 0.0]))  # sqrt((1 + 4) / 2)
-    Array(1.5811388, dtype=float32)
+    Array(1.58113..., dtype=float32)
 
     Args:
       means: the members' means, ``[E, B]`` or ``[E, B, D]``.
@@ -362,7 +362,7 @@ def interval_width(
     >>> import jax.numpy as jnp
     >>> from ensembles import uncertainty
     >>> uncertainty.interval_width(jnp.zeros((1, 2)), jnp.ones((1, 2)), level=0.9)
-    Array(3.2897072, dtype=float32)
+    Array(3.28970..., dtype=float32)
 
     Args:
       means: the members' means, ``[E, B]`` or ``[E, B, D]``.
@@ -397,7 +397,7 @@ def interval_score(
     >>> from ensembles import uncertainty
     >>> means, stds = jnp.zeros((1, 1)), jnp.ones((1, 1))  # interval +-1.645
     >>> uncertainty.interval_score(means, stds, jnp.array([2.0]), level=0.9)
-    Array(10.392635, dtype=float32)
+    Array(10.3926..., dtype=float32)
 
     Args:
       means: the members' means, ``[E, B]`` or ``[E, B, D]``.

@@ -54,11 +54,12 @@ def x64():
 # {file under tests/: {test function: stride}}; tests/test_tiers.py checks
 # that every name here is a test.
 THINNED_SWEEPS = {
+    "experimental/test_pallas_hopper.py": {"test_forward_matches_per_member_loop": 3},
     "layers/test_base.py": {
         "test_a_member_view_takes_one_example_as_the_flax_layer_does": 3,
         "test_a_flax_contract_promote_dtype_survives_conversion": 2,
     },
-    "layers/test_conv.py": {"test_outputs_and_gradients_match_flax_per_member": 3},
+    "layers/test_conv.py": {"test_outputs_and_gradients_match_flax_per_member": 4},
     "layers/test_einsum.py": {
         "test_forward_matches_flax_einsum_per_member": 3,
         "test_gradients_match_jax_grad_of_flax_reference": 2,
@@ -71,8 +72,8 @@ THINNED_SWEEPS = {
     },
     "layers/test_normalization.py": {"test_per_sample_norms_match_flax_per_member": 3},
     "ops/test_autodiff.py": {
-        "test_float64_gradients_are_float64_accurate": 3,
-        "test_jvp_and_linearize_float64": 3,
+        "test_float64_gradients_are_float64_accurate": 4,
+        "test_jvp_and_linearize_float64": 4,
     },
     "ops/test_dense.py": {
         "test_gradients_match_per_member_loop": 3,
@@ -81,7 +82,7 @@ THINNED_SWEEPS = {
     },
     "ops/test_derivatives.py": {
         "test_conv_every_differentiated_subset": 3,
-        "test_conv_shapes_options_members_jit": 3,
+        "test_conv_shapes_options_members_jit": 4,
         "test_conv_through_batch_ensemble_conv": 2,
         "test_dense_gradients_equal_jax_of_the_plain_formula": 3,
         "test_dense_every_differentiated_subset": 3,
@@ -89,12 +90,13 @@ THINNED_SWEEPS = {
     },
     "ops/test_einsum.py": {
         "test_forward_matches_flax_einsum_per_member": 3,
-        "test_gradients_match_jax_grad_of_reference": 3,
+        "test_gradients_match_jax_grad_of_reference": 4,
     },
+    "test_benchmark.py": {"test_every_method_runs": 2},
     "test_benchmark_quality.py": {"test_models_fit_every_task": 2},
     "test_labels.py": {
         "test_cross_entropy_of_every_integer_dtype": 2,
-        "test_metrics_of_every_integer_dtype": 3,
+        "test_metrics_of_every_integer_dtype": 4,
     },
     "test_rank1.py": {"test_eval_equals_a_batch_ensemble_holding_the_means": 3},
     "test_sharding.py": {"test_row_formulation_matches_member_formulation": 2},

@@ -32,6 +32,40 @@ timing._KEEP_FREED = ()
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, for this run only.
+
+    About one compile in ten repeats one another test (or the other xdist
+    worker) already ran: the same program at the same shapes, from a layer
+    built afresh. With the cache each is compiled once per run: the quick
+    tier takes about a tenth less CPU (measured: 13 min 16 s against 14 min
+    44 s of CPU, 2026-11-27). The cache lives in this run's temporary
+    directory, which the workers share (pytest keeps the last three runs'):
+    a run never reads another run's programs, so what a run measures is that
+    run's compiles. Set before the first test; compiles at collection (none
+    today) would go uncached, nothing else.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above the workers' own
+    settings = {
+        "jax_compilation_cache_dir": str(base / "jax-compilation-cache"),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    previous = {name: getattr(jax.config, name) for name in settings}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()  # decided at the first compile: decide again
+    yield
+    for name, value in previous.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
 @pytest.fixture(autouse=True)
 def _rank_promotion_raise():
     with jax.numpy_rank_promotion("raise"):

@@ -606,6 +606,9 @@ def test_quality_defaults_and_quick():
     tasks = cli._parse(["--quality", "--task", "digits,tabular", "--steps", "7"])
     assert (tasks.task, tasks.steps) == (("digits", "tabular"), 7)
     assert cli._parse(["--quality", "--seed", "5", "--seeds", "2"]).seed == 5
+    assert quick.methods == QUALITY_METHODS  # every method unless --methods
+    chosen = cli._parse(["--quality", "--methods", "deep_ensemble,single,single"])
+    assert chosen.methods == ("deep_ensemble", "single")
     # --help says what --quick trains on, and that any example shape works.
     text = " ".join(cli.build_parser().format_help().split())
     assert "2,000 training sequences, not 8,000" in text
@@ -618,6 +621,11 @@ def test_quality_defaults_and_quick():
         (["--quality", "--mode", "train"], "--mode applies only without --quality"),
         (["--quality", "--batch", "4", "--impl", "xla"], "--batch, --impl apply only"),
         (["--steps", "10"], "--steps applies only with --quality"),
+        (["--methods", "single"], "--methods applies only with --quality"),
+        (
+            ["--quality", "--methods", "single,bagging"],
+            "unknown 'bagging'; choose from single, batchensemble",
+        ),
         (
             ["--quality", "--model", "linear"],
             "--model linear: choose from cnn, mlp (MNIST-1D classifiers)",
@@ -725,6 +733,8 @@ def test_every_task_runs_through_the_command(tmp_path, capsys):
             "1",
             "--steps",
             "2",
+            "--methods",
+            "finetuned,batchensemble",
             "--json",
             str(out),
         ]
@@ -738,6 +748,8 @@ def test_every_task_runs_through_the_command(tmp_path, capsys):
     assert "cnn on digits (8x8), E=2, 1 seed" in printed
     rows = json.loads(out.read_text())["results"]
     assert {(row["task"], row["model"]) for row in rows} == {("digits", "cnn")}
+    # --methods: those rows only (finetuned's start, single, trains unreported).
+    assert [row["method"] for row in rows] == ["finetuned", "batchensemble"]
     for row in rows:
         assert "aurc" in row["in_distribution"]
         for scores in row["ood"].values():

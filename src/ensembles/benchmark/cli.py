@@ -77,6 +77,7 @@ QUALITY_DEFAULTS: dict[str, Any] = {
     "model": QUALITY_MODELS,
     "members": (4,),
     "seeds": 3,
+    "methods": QUALITY_METHODS,
     "task": ("mnist1d",),
 }
 QUALITY_QUICK: dict[str, Any] = {**QUALITY_DEFAULTS, "model": ("cnn",), "seeds": 1}
@@ -93,7 +94,7 @@ _SPEED_ONLY = (
     "repeats",
     "default_malloc",
 )
-_QUALITY_ONLY = ("seeds", "steps", "task")
+_QUALITY_ONLY = ("seeds", "steps", "methods", "task")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,7 +311,7 @@ def _main_quality(
         show(f"generating {task} (offline)")
         data = load_task(task, quick=args.quick)
         try:
-            check_run(models, QUALITY_METHODS, data)
+            check_run(models, args.methods, data)
         except ValueError as error:
             show("")
             print(f"ensembles-bench: error: --task {task}: {error}", file=sys.stderr)
@@ -340,6 +341,7 @@ def _main_quality(
             models=models,
             members=args.members,
             seeds=seeds,
+            methods=args.methods,
             steps=steps,
             data=data,
             progress=show,

@@ -19,6 +19,7 @@ from ensembles.benchmark.arguments import (
 )
 from ensembles.benchmark.methods import MODES
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
+from ensembles.benchmark.quality_methods import QUALITY_METHODS
 from ensembles.benchmark.quality_models import QUALITY_MODELS
 from ensembles.benchmark.quality_tasks import CLASSIFICATION_TASKS, TASK_STEPS, TASKS
 from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
@@ -207,6 +208,15 @@ def add_quality_options(parser: argparse.ArgumentParser) -> None:
         help="--quality: training steps of every method (default: per task, "
         + ", ".join(f"{t} {n}" for t, n in TASK_STEPS.items())
         + ")",
+    )
+    parser.add_argument(
+        "--methods",
+        type=choice_list(QUALITY_METHODS),
+        default=None,
+        help="--quality: the methods to train and measure, comma-separated: "
+        + ", ".join(QUALITY_METHODS)
+        + " (default: all; finetuned trains single first, as its start, and "
+        "'gap closed' needs single and deep_ensemble)",
     )
     parser.add_argument(
         "--task",

@@ -12,9 +12,10 @@ block, and the README.
 
 The README's ``bash`` blocks install the package and start the commands; the
 commands' own tests run them (tests/test_benchmark.py and
-tests/test_benchmark_quality.py). ``docs/rank1.md`` and ``docs/uncertainty.md``
-end with values worth checking: their modules' tests (``test_rank1``,
-``test_uncertainty_metrics``) run them once more in process and check those.
+tests/test_benchmark_quality.py). Where a page ends with values
+worth checking (``docs/rank1.md``, ``docs/uncertainty.md``), PAGE_CHECKS's
+lines follow its code in the same fresh Python: one run checks both that the
+page runs and what it computed.
 """
 
 import os
@@ -32,6 +33,20 @@ PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 # not have: XLA's and JAX's settings (tests/conftest.py's optimisation level,
 # device counts), pytest's own variables.
 SUITE_PREFIXES = ("XLA_", "JAX_", "PYTEST_")
+
+
+# Checks run after a page's code, in its namespace (appended to the script).
+PAGE_CHECKS = {
+    "docs/rank1.md": (
+        "assert member_probs.shape == (4, 5, 3), member_probs.shape\n"
+        "assert means.shape == (4, 5, 3), means.shape\n"
+        "assert jnp.isfinite(loss), loss\n"
+    ),
+    "docs/uncertainty.md": (
+        "for name in ['aupr', 'fpr95', 'aurc', 'augrc', 'adaptive', 'worst_bin']:\n"
+        "    assert jnp.isfinite(globals()[name]), (name, globals()[name])\n"
+    ),
+}
 
 
 def pages_with_code(root=ROOT):
@@ -132,5 +147,6 @@ def test_the_quick_quality_run_is_given_one_duration():
 @pytest.mark.parametrize("path", PAGES)
 def test_the_page_runs_as_a_user_runs_it(path, tmp_path):
     pytest.importorskip("optax")
-    result = run_as_a_user(page_code(path), tmp_path)
+    checks = PAGE_CHECKS.get(path, "")
+    result = run_as_a_user(page_code(path) + "\n" + checks, tmp_path)
     assert result.returncode == 0, f"{path} failed:\n{result.stderr[-3000:]}"

@@ -716,18 +716,3 @@ class TestErrors:
             jax.random.key(0), (2,)
         )
         np.testing.assert_allclose(jax.nn.softplus(huge), 50.0)
-
-
-@pytest.mark.slow
-def test_the_rank1_guide_runs_as_written():
-    # docs/rank1.md promises its snippets run as written, in order.
-    import pathlib
-    import re
-
-    guide = pathlib.Path(__file__).parents[1] / "docs" / "rank1.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", guide.read_text(), re.S))
-    namespace = {}
-    exec(compile(code, str(guide), "exec"), namespace)
-    assert namespace["member_probs"].shape == (4, 5, 3)
-    assert namespace["means"].shape == (4, 5, 3)
-    assert np.isfinite(float(namespace["loss"]))

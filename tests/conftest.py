@@ -44,7 +44,10 @@ def _compilation_cache(tmp_path_factory):
     directory, which the workers share (pytest keeps the last three runs'):
     a run never reads another run's programs, so what a run measures is that
     run's compiles. Set before the first test; compiles at collection (none
-    today) would go uncached, nothing else.
+    today) would go uncached, nothing else. JAX writes an entry in place: a
+    worker reading one the other is still writing gets a UserWarning from
+    JAX ("Error reading persistent compilation cache entry") and compiles,
+    as it would have without the cache.
     """
     from jax.experimental.compilation_cache import compilation_cache
 

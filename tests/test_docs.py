@@ -99,6 +99,8 @@ def test_every_page_with_code_is_found(tmp_path):
         "docs/training.md",
         "docs/uncertainty.md",
     } <= set(PAGES)
+    # A check keyed by a page that is not found would never run.
+    assert set(PAGE_CHECKS) <= set(PAGES)
     # A page added later is found without being listed; one without a
     # python block (or with another language's only) is not.
     (tmp_path / "docs").mkdir()

@@ -34,6 +34,8 @@ import jax
 import pytest
 
 from ensembles.benchmark import timing
+from ensembles.ops import platform
+from tests.formulations import use_formulation
 from tests.worker_exit import pytest_sessionfinish  # noqa: F401 (a hook)
 
 # The suite never changes its own process's allocator: ensembles-bench's main
@@ -89,6 +91,14 @@ def _compilation_cache(tmp_path_factory):
 def _rank_promotion_raise():
     with jax.numpy_rank_promotion("raise"):
         yield
+
+
+@pytest.fixture(params=platform.FORMULATIONS)
+def formulation(request, monkeypatch):
+    """Runs a test once with each formulation of the ops (``use_formulation``)."""
+    use_formulation(monkeypatch, request.param)
+    yield request.param
+    jax.clear_caches()
 
 
 @pytest.fixture

@@ -1,67 +1,47 @@
-"""Chips this machine lacks, as compile targets: meshes of compile-only devices.
+"""Chips this machine lacks, as compile targets, for the compile tier's tests.
 
-``jax.experimental.topologies`` gives devices of a chip without the chip: an
-H100 from ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt`` and a GPU target config
-(``h100_target_config.txtpb``, beside this file so that a checkout has it), TPUs
-from ``libtpu`` (what ``jax[tpu]`` pins). Under ``jax.set_mesh`` over one of
-them, ``jax.jit(f).trace(*specs).lower().compile()`` runs the chip's real
-compilers (XLA GPU, Triton to an sm_90 binary, Mosaic GPU; XLA TPU, Mosaic
-TPU). Nothing may run eagerly under such a mesh: build every model and
-argument abstractly. libtpu allows one process at a time.
+:mod:`ensembles.benchmark.chips` gives meshes of compile-only devices (an H100
+from ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``, TPUs from ``libtpu``); here a
+missing compiler skips a test, or fails it in the compile tier (``tox -e
+compile-oldest / compile-newest`` set ``ENSEMBLES_COMPILE_TIER=1``). Nothing
+may run eagerly under such a mesh: build every model and argument abstractly.
+libtpu allows one process at a time.
 """
 
-import functools
 import itertools
 import os
-import pathlib
 
 import jax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
+from ensembles.benchmark.chips import TPU_TOPOLOGIES, chip_mesh
 from ensembles.experimental.pallas import BlockSizes, budget
 from ensembles.experimental.pallas.blocks import tiling
 
-H100_CONFIG = pathlib.Path(__file__).with_name("h100_target_config.txtpb")
-# The smallest slice of each TPU that libtpu describes (a 1x1 v5e is refused).
-TPU_TOPOLOGIES = {
-    "v2": "v2:2x2",
-    "v3": "v3:2x2",
-    "v4": "v4:2x2x1",
-    "v5e": "v5e:2x2",
-    "v5p": "v5p:2x2x1",
-    "v6e": "v6e:2x2",
-    "7x": "tpu7x:2x2x1",
-}
+__all__ = [
+    "TPU_TOPOLOGIES",
+    "family_of",
+    "largest_block_sizes",
+    "lower",
+    "mesh",
+    "target",
+]
 # `tox -e compile-oldest / compile-newest` set this: a missing compiler then
 # fails the tier instead of skipping it.
 REQUIRED = os.environ.get("ENSEMBLES_COMPILE_TIER") == "1"
 
 
-@functools.cache
-def _mesh(name):
-    from jax.experimental import topologies
-
-    if name == "h100":
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=H100_CONFIG.read_text(), topology="1x1x1"
-        )
-    else:
-        topology = topologies.get_topology_desc(TPU_TOPOLOGIES[name], platform="tpu")
-    return Mesh(topology.devices[:1], ("x",))
-
-
 def mesh(name):
     """A one-device mesh of chip ``name``; skips (fails in the tier) without it."""
     try:
-        return _mesh(name)
-    except Exception as error:  # a missing plugin or libtpu: any error type
+        return chip_mesh(name)
+    except RuntimeError as error:
         if REQUIRED:
             raise
         pytest.skip(
-            f"no compiler for {name} here ({type(error).__name__}: "
-            f"{str(error)[:200]}); the compile tier installs jax-cuda12-plugin, "
-            f"jax-cuda12-pjrt and jax[tpu] at jax's version: tox -e compile-oldest"
+            f"{error} (the compile tier installs jax-cuda12-plugin, "
+            f"jax-cuda12-pjrt and jax[tpu] at jax's version: tox -e compile-oldest)"
         )
 
 

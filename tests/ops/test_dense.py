@@ -40,7 +40,9 @@ FORWARD_CASES = covering(
 
 
 @pytest.mark.parametrize("use_bias, jit, dtype, num_members, rank", FORWARD_CASES)
-def test_forward_matches_per_member_loop(rank, num_members, dtype, jit, use_bias):
+def test_forward_matches_per_member_loop(
+    rank, num_members, dtype, jit, use_bias, formulation
+):
     args = make_args(
         rank * 10 + num_members,
         num_members,
@@ -78,7 +80,7 @@ GRADIENT_CASES = covering(
 
 
 @pytest.mark.parametrize("dtype, num_members, rank", GRADIENT_CASES)
-def test_gradients_match_per_member_loop(rank, num_members, dtype):
+def test_gradients_match_per_member_loop(rank, num_members, dtype, formulation):
     args = make_args(7, num_members, 2, MIDDLE_SHAPES[rank], 6, 4, dtype)
     cotangent = jnp.asarray(
         np.random.default_rng(8).standard_normal(
@@ -102,7 +104,7 @@ def test_gradients_match_per_member_loop(rank, num_members, dtype):
         assert_close(g, e, dtype, scale=8)
 
 
-def test_member_k_only_sees_its_rows():
+def test_member_k_only_sees_its_rows(formulation):
     x, kernel, r, s, bias = make_args(0, 3, 2, (), 4, 3, jnp.float32)
     y = batch_ensemble_dense(x, kernel, r, s, bias, num_members=3)
     y2 = batch_ensemble_dense(x.at[2:4].add(1.0), kernel, r, s, bias, num_members=3)
@@ -111,7 +113,7 @@ def test_member_k_only_sees_its_rows():
     assert not np.allclose(y[2:4], y2[2:4])
 
 
-def test_preferred_element_type():
+def test_preferred_element_type(formulation):
     args = make_args(0, 2, 2, (), 4, 3, jnp.bfloat16)
     y = batch_ensemble_dense(*args, num_members=2, preferred_element_type=jnp.float32)
     assert y.dtype == jnp.float32
@@ -121,7 +123,7 @@ def test_preferred_element_type():
 @pytest.mark.parametrize(
     "precision, text", [(None, "DEFAULT, DEFAULT"), ("highest", "HIGHEST, HIGHEST")]
 )
-def test_precision_is_passed_to_the_matmul(precision, text):
+def test_precision_is_passed_to_the_matmul(precision, text, formulation):
     args = make_args(0, 2, 2, (), 4, 3, jnp.float32)
     fn = lambda *a: batch_ensemble_dense(*a, num_members=2, precision=precision)  # noqa: E731
     hlo = jax.jit(fn).lower(*args).as_text()
@@ -261,7 +263,7 @@ EAGER_GRID = {(2, 0, (), 5, 3), (3, 1, (), 5, 3)}
     "num_members, rows, middle, in_features, out_features", IMPL_GRID
 )
 def test_every_impl_gives_the_same_answer(
-    num_members, rows, middle, in_features, out_features
+    num_members, rows, middle, in_features, out_features, formulation
 ):
     args = make_args(
         3, num_members, rows, middle, in_features, out_features, jnp.float32

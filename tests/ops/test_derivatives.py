@@ -22,6 +22,7 @@ from jax import lax
 
 from ensembles.ops import batch_ensemble_dense, conv, dense
 from tests.covering import covering
+from tests.formulations import use_formulation
 from tests.jaxprs import equations
 from tests.ops.conv_cases import (
     NEEDS as CONV_NEEDS,
@@ -144,7 +145,7 @@ GRID = [
 
 
 @pytest.mark.parametrize("needs, dtype", GRID)
-def test_dense_every_differentiated_subset(needs, dtype):
+def test_dense_every_differentiated_subset(needs, dtype, formulation):
     _check((3, 2, 3, (3,), dtype), NEEDS[needs], jit=True, primal=needs == "all")
 
 
@@ -164,7 +165,7 @@ SWEEP = [
 
 
 @pytest.mark.parametrize("rank, num_members, batch", SWEEP)
-def test_dense_shapes_members_ragged_jit(rank, num_members, batch):
+def test_dense_shapes_members_ragged_jit(rank, num_members, batch, formulation):
     needs = "all" if (rank + num_members) % 2 else "first_layer"
     _check(_sweep_case(rank, num_members, batch), NEEDS[needs], jit=True)
 
@@ -174,12 +175,14 @@ def test_dense_shapes_members_ragged_jit(rank, num_members, batch):
     "rank, num_members, batch, needs",
     [(2, 1, 3, "all"), (3, 2, 3, "first_layer"), (4, 5, 7, "all")],
 )
-def test_dense_shapes_members_ragged_eager(rank, num_members, batch, needs):
+def test_dense_shapes_members_ragged_eager(
+    rank, num_members, batch, needs, formulation
+):
     _check(_sweep_case(rank, num_members, batch), NEEDS[needs], jit=False)
 
 
 @pytest.mark.parametrize("needs", ["first_layer", "inputs"])
-def test_dense_through_batch_ensemble_dense(needs):
+def test_dense_through_batch_ensemble_dense(needs, formulation):
     def op(*a):
         return batch_ensemble_dense(*a, num_members=5, impl="xla")
 
@@ -203,13 +206,18 @@ SUBSETS = [
 ]
 
 
-@pytest.mark.parametrize("first_layer", ["per_member", "jax"])
+# A first layer on the CPU member by member or by JAX's own derivative (below
+# MEMBER_BACKWARD_MIN_ROWS), and the accelerators' formulation.
+@pytest.mark.parametrize("first_layer", ["per_member", "jax", "accelerator"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f64"])
 def test_dense_gradients_equal_jax_of_the_plain_formula(
     dtype, first_layer, request, monkeypatch
 ):
     if dtype == "f64":
         request.getfixturevalue("x64")
+    use_formulation(
+        monkeypatch, "accelerator" if first_layer == "accelerator" else "cpu"
+    )
     if first_layer == "jax":
         jax_own_first_layer(monkeypatch)
     jnp_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f64": jnp.float64}[dtype]
@@ -298,7 +306,9 @@ def _layer_args():
 @pytest.mark.parametrize(
     "argnums, plain_argnums", [((1, 2, 3, 4), (1, 2)), ((0, 1, 2, 3, 4), (0, 1, 2))]
 )
-def test_dense_backward_does_a_plain_layers_matmuls(argnums, plain_argnums):
+def test_dense_backward_does_a_plain_layers_matmuls(
+    argnums, plain_argnums, formulation
+):
     x, kernel, r, s, bias = _layer_args()
 
     def ensemble(*a):
@@ -324,7 +334,9 @@ def plain_dense_loss(*a):
 
 def test_member_backward_min_rows_decides(monkeypatch):
     """Below the bound a first layer gets JAX's own derivative (its extra
-    input-gradient matmul); from it on, the per-member one."""
+    input-gradient matmul); from it on, the per-member one (the CPU's
+    formulation: the accelerators' has no bound)."""
+    use_formulation(monkeypatch, "cpu")
     args = _layer_args()
 
     def first_layer_flops(bound):
@@ -337,7 +349,7 @@ def test_member_backward_min_rows_decides(monkeypatch):
     assert first_layer_flops(B + 1) == 3 * E * B * IN * OUT
 
 
-def test_dense_member_backward_at_the_requested_precision():
+def test_dense_member_backward_at_the_requested_precision(formulation):
     """Every matmul of the per-member backward at ``precision`` and with its
     ``preferred_element_type`` (the outer products and matrix-vector products
     of the reductions included)."""
@@ -351,7 +363,9 @@ def test_dense_member_backward_at_the_requested_precision():
 
     grads = jax.grad(loss, (1, 2, 3, 4))
     found = _matmuls_and_convs(grads, x, kernel, r, s, bias)
-    assert len(found) >= 4, found  # forward, M_k, and the dr, ds products
+    # CPU: the forward, M_k, and the dr, ds products; the accelerators': the
+    # forward and the batched M.
+    assert len(found) >= (4 if formulation == "cpu" else 2), found
     for kind, precision, operand_types, result in found:
         assert precision == ("HIGHEST", "HIGHEST"), (kind, operand_types)
         if any("bf16" in t for t in operand_types):
@@ -361,7 +375,10 @@ def test_dense_member_backward_at_the_requested_precision():
         assert g.dtype == a.dtype
 
 
-def test_dense_first_layer_compiles_without_member_kernels():
+def test_dense_first_layer_compiles_without_member_kernels(monkeypatch):
+    """The CPU's: no [E, in, out] array (the accelerators' forms one, by
+    design: ensembles/ops/dense_batched.py)."""
+    use_formulation(monkeypatch, "cpu")
     x, kernel, r, s, bias = _layer_args()
 
     def compiled(fn):
@@ -391,7 +408,8 @@ def test_dense_first_layer_compiles_without_member_kernels():
     )
 
 
-def test_dense_hidden_layer_compiles_as_plain_jnp():
+def test_dense_hidden_layer_compiles_as_plain_jnp(monkeypatch):
+    use_formulation(monkeypatch, "cpu")
     x, kernel, r, s, bias = _layer_args()
 
     def hlo(fn):

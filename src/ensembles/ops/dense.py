@@ -46,6 +46,8 @@ from ensembles._checks import (
     check_member_params,
     check_num_members,
 )
+from ensembles.ops import platform
+from ensembles.ops.dense_batched import member_matmul
 from ensembles.ops.impls import IMPLS
 
 __all__ = [
@@ -356,13 +358,14 @@ def dense_rows(
     num_members, in_features = r.shape
     if isinstance(precision, list):  # a custom_jvp's static argument must hash
         precision = tuple(precision)
-    y = _scaled_matmul(
+    options = (precision, preferred_element_type)
+    y = platform.by_platform(
         inputs.reshape(num_members, -1, in_features),
         kernel,
         r,
         s,
-        precision,
-        preferred_element_type,
+        cpu=lambda *operands: _scaled_matmul(*operands, *options),
+        accelerator=lambda *operands: member_matmul(*operands, *options),
     )
     if bias is not None:
         y = y + bias[:, None, :]

@@ -1,0 +1,229 @@
+"""Optimized HLO text, read: computations of instructions, shapes, source lines.
+
+What :mod:`ensembles.benchmark.hlo` counts kernels, flops and bytes from. It
+reads the text XLA prints for a compiled program (``compiled.as_text()``): one
+computation per block, ``ENTRY`` the program's own, each instruction as
+``%name = shape opcode(operands), attributes``, and the module's tables of
+source locations (``stack_frame_id`` in an instruction's metadata).
+
+>>> instruction = parse_instruction(
+...     "  %d = f32[8,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}")
+>>> instruction.opcode, instruction.operands, instruction.shape[0].bytes
+('dot', ('x', 'w'), 64)
+>>> instruction.attribute("lhs_contracting_dims")
+'{1}'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+__all__ = [
+    "Array",
+    "Instruction",
+    "computations",
+    "parse_instruction",
+    "source_of",
+    "source_table",
+]
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+    "c64": 8, "c128": 16, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    """One array of a shape: dtype, dimensions, memory space (0: main memory)."""
+
+    dtype: str
+    dims: tuple[int, ...]
+    memory_space: int
+
+    @property
+    def bytes(self) -> int:
+        """Its size (an unknown dtype counts 4 bytes an element)."""
+        return _DTYPE_BYTES.get(self.dtype, 4) * math.prod(self.dims)
+
+
+def _arrays(shape_text: str) -> tuple[Array, ...]:
+    """Every array of a (possibly tuple) shape, in order."""
+    arrays = []
+    for dtype, dims, layout in _ARRAY.findall(shape_text):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        arrays.append(
+            Array(
+                dtype,
+                tuple(int(d) for d in dims.split(",") if d),
+                int(space.group(1)) if space else 0,
+            )
+        )
+    return tuple(arrays)
+
+
+def _balanced(text: str, start: int) -> int:
+    """The index just past the bracket group opening at ``text[start]``."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    stack: list[str] = []
+    i = start
+    while i < len(text):
+        c = text[i]
+        if c == '"':  # a quoted string may hold brackets: skip it
+            i += 1
+            while i < len(text) and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in pairs:
+            stack.append(pairs[c])
+        elif stack and c == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its name, opcode, shape, operands and attributes."""
+
+    name: str
+    opcode: str
+    shape: tuple[Array, ...]
+    operands: tuple[str, ...]
+    arguments: str
+    attributes: str
+
+    def attribute(self, key: str) -> str | None:
+        """The text of attribute ``key`` (``calls``, ``kind``, ...), or ``None``."""
+        match = re.search(rf"(?:^|, ){re.escape(key)}=", self.attributes)
+        if match is None:
+            return None
+        start = match.end()
+        if start < len(self.attributes) and self.attributes[start] in '{("[':
+            if self.attributes[start] == '"':
+                return self.attributes[
+                    start + 1 : self.attributes.index('"', start + 1)
+                ]
+            return self.attributes[start : _balanced(self.attributes, start)]
+        end = self.attributes.find(", ", start)
+        return self.attributes[start : end if end >= 0 else None]
+
+    def called(self, key: str) -> list[str]:
+        """The computations named by attribute ``key`` (``calls``, ``body``...)."""
+        value = self.attribute(key)
+        return re.findall(r"%?([\w.\-]+)", value.strip("{}")) if value else []
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """One line of a computation as an :class:`Instruction`, or ``None``."""
+    name = _NAME.match(line)
+    if name is None:
+        return None
+    i = name.end()
+    end = _balanced(line, i) if line[i] == "(" else line.index(" ", i)
+    shape = _arrays(line[i:end])
+    rest = line[end:].lstrip()
+    opcode = re.match(r"[\w\-]+", rest).group(0)
+    open_paren = len(opcode)
+    close = _balanced(rest, open_paren)
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[open_paren:close]))
+    if not operands and opcode != "constant":  # printed without %: `f32[2] x`
+        operands = tuple(
+            token.split()[-1]
+            for token in rest[open_paren + 1 : close - 1].split(", ")
+            if token and not token[0].isdigit()
+        )
+    attributes = rest[close:].lstrip(", ")
+    arguments = rest[open_paren + 1 : close - 1]
+    return Instruction(name.group(1), opcode, shape, operands, arguments, attributes)
+
+
+def computations(text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Every computation of a module's text by name, and the entry's name.
+
+    Raises:
+      ValueError: if the text holds no ``ENTRY`` computation.
+    """
+    computations: dict[str, list[Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        instruction = parse_instruction(line)
+        if instruction is not None:
+            computations[current].append(instruction)
+    if entry is None:
+        raise ValueError("the HLO text has no ENTRY computation")
+    return computations, entry
+
+
+def source_table(text: str) -> dict[int, str]:
+    """``stack_frame_id`` -> ``file:line (function)`` from the module's tables."""
+    sections: dict[str, dict[int, str]] = {}
+    section = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = line
+            sections[section] = {}
+            continue
+        if section is None:
+            continue
+        match = re.match(r"^(\d+) (.*)$", line)
+        if match is None:
+            if sections.get(section):
+                section = None
+            continue
+        sections[section][int(match.group(1))] = match.group(2)
+    files = {k: v.strip('"') for k, v in sections.get("FileNames", {}).items()}
+    functions = {k: v.strip('"') for k, v in sections.get("FunctionNames", {}).items()}
+    locations = {}
+    for k, v in sections.get("FileLocations", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        file = files.get(int(fields.get("file_name_id", 0)), "?")
+        function = functions.get(int(fields.get("function_name_id", 0)), "?")
+        locations[k] = f"{_short_path(file)}:{fields.get('line', '?')} ({function})"
+    frames = {}
+    for k, v in sections.get("StackFrames", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        frames[k] = locations.get(int(fields.get("file_location_id", 0)), "?")
+    return frames
+
+
+def _short_path(path: str) -> str:
+    for marker in ("/site-packages/", "/src/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def source_of(metadata: str | None, frames: dict[int, str]) -> str | None:
+    """The innermost source line an instruction's metadata names, if any."""
+    if not metadata:
+        return None
+    file = re.search(r'source_file="([^"]*)"', metadata)
+    line = re.search(r"source_line=(\d+)", metadata)
+    if file and line:
+        return f"{_short_path(file.group(1))}:{line.group(1)}"
+    frame = re.search(r"stack_frame_id=(\d+)", metadata)
+    if frame:
+        return frames.get(int(frame.group(1)))
+    return None

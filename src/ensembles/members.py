@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from ensembles._checks import as_array, check_member_batch, check_num_members
 
-__all__ = ["per_row", "tile", "untile"]
+__all__ = ["by_member_view", "by_row", "per_row", "tile", "untile"]
 
 
 def _check_has_batch_axis(x: jax.Array, name: str) -> None:
@@ -108,3 +110,59 @@ def per_row(weights: jax.Array, rows: int, ndim: int) -> jax.Array:
         weights, rows // num_members, axis=0, total_repeat_length=rows
     )
     return repeated.reshape(rows, *(1,) * (ndim - 2), channels)
+
+
+def by_row(array: jax.Array, weights: jax.Array, op: Callable) -> jax.Array:
+    """``op(array, w)`` with ``w`` each row's member's vector, in ``array``'s layout.
+
+    How the CPU's formulations apply ``r``, ``s`` and biases
+    (:func:`per_row`): one elementwise pass XLA's CPU backend fuses with its
+    neighbours, no copy of the activations.
+
+    >>> import operator
+    >>> import jax.numpy as jnp
+    >>> by_row(jnp.ones((4, 2)), jnp.array([[1.0, 2.0], [3.0, 4.0]]), operator.mul)
+    Array([[1., 2.],
+           [1., 2.],
+           [3., 4.],
+           [3., 4.]], dtype=float32)
+
+    Args:
+      array: a member-major ``[E*B, ..., C]`` array.
+      weights: ``[E, C]`` per-member vectors.
+      op: a binary elementwise function (``operator.mul``, ``operator.add``).
+
+    Returns:
+      An array of ``array``'s shape.
+    """
+    return op(array, per_row(weights, array.shape[0], array.ndim))
+
+
+def by_member_view(array: jax.Array, weights: jax.Array, op: Callable) -> jax.Array:
+    """``op(array, w)`` with ``w`` each row's member's vector, in the member view.
+
+    How the accelerators' formulations apply ``r``, ``s`` and biases: the
+    member axis of the ``[E, B, ...]`` view meets ``weights``' own, a
+    broadcast that GPU and TPU compilers fuse into the neighbouring matmul or
+    convolution, where a per-row copy of the vectors (:func:`by_row`) is an
+    array of its own there (a TPU gathers it in slices).
+
+    >>> import operator
+    >>> import jax.numpy as jnp
+    >>> by_member_view(jnp.ones((4, 2)), jnp.array([[1.0, 2.0], [3.0, 4.0]]),
+    ...                operator.mul)[:, 1]
+    Array([2., 2., 4., 4.], dtype=float32)
+
+    Args:
+      array: a member-major ``[E*B, ..., C]`` array.
+      weights: ``[E, C]`` per-member vectors.
+      op: a binary elementwise function.
+
+    Returns:
+      An array of ``array``'s shape.
+    """
+    num_members, channels = weights.shape
+    rows = array.shape[0] // num_members  # not -1: an empty axis leaves it open
+    view = array.reshape(num_members, rows, *array.shape[1:])
+    vectors = weights.reshape(num_members, *(1,) * (view.ndim - 2), channels)
+    return op(view, vectors).reshape(array.shape)

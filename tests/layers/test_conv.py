@@ -280,7 +280,9 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("transpose, name, dtype", MATRIX)
-def test_outputs_and_gradients_match_flax_per_member(transpose, name, dtype):
+def test_outputs_and_gradients_match_flax_per_member(
+    transpose, name, dtype, formulation
+):
     """Jitted outputs and gradients against the Flax reference.
 
     One jitted forward-and-backward per side keeps the compile count (the
@@ -339,7 +341,7 @@ def test_outputs_and_gradients_match_flax_per_member(transpose, name, dtype):
         pytest.param(True, "2d-circular-transpose-kernel", id="transpose"),
     ],
 )
-def test_eager_matches_flax_per_member(transpose, name, dtype):
+def test_eager_matches_flax_per_member(transpose, name, dtype, formulation):
     options, spatial, extra = get_case(transpose, name)
     layer = make_layer(options, transpose, dtype)
     x = case_input(spatial, extra, dtype)
@@ -1013,7 +1015,7 @@ EMPTY_CASES = {
         for name in EMPTY_CASES
     ],
 )
-def test_an_empty_spatial_axis_gives_what_flax_gives(name):
+def test_an_empty_spatial_axis_gives_what_flax_gives(name, formulation):
     # nnx.Conv maps [N, 0, C] to [N, 0, out]; this used to raise a bare
     # ZeroDivisionError from inside jnp.reshape.
     transpose, options, shape = EMPTY_CASES[name]

@@ -134,7 +134,7 @@ def tiled_shape(member_shape):
 
 @pytest.mark.parametrize("name", list(PER_SAMPLE))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_per_sample_norms_match_flax_per_member(name, dtype):
+def test_per_sample_norms_match_flax_per_member(name, dtype, formulation):
     factory, template, member_shape = PER_SAMPLE[name]
     norm = factory(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     x = random_input(1, tiled_shape(member_shape), dtype, mean=2.0)
@@ -146,7 +146,9 @@ def test_per_sample_norms_match_flax_per_member(name, dtype):
 
 @pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_per_sample_gradients_match_jax_grad_of_flax_reference(name, dtype):
+def test_per_sample_gradients_match_jax_grad_of_flax_reference(
+    name, dtype, formulation
+):
     factory, template, member_shape = PER_SAMPLE[name]
     norm = factory(dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     x = random_input(1, tiled_shape(member_shape), dtype)
@@ -194,7 +196,9 @@ def numpy_statistics(x, axis=-1):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("axis, member_shape", [(-1, (5, 4)), (1, (3, 4, 2))])
-def test_batch_norm_training_matches_flax_per_member(dtype, axis, member_shape):
+def test_batch_norm_training_matches_flax_per_member(
+    dtype, axis, member_shape, formulation
+):
     norm = make_batch_norm(axis=axis, dtype=dtype)
     norm.mean[...] = random_input(3, (E, 4))
     norm.var[...] = random_input(4, (E, 4), mean=2.0) ** 2
@@ -239,7 +243,7 @@ def test_batch_norm_eval_uses_running_averages():
     assert norm.use_running_average is False
 
 
-def test_batch_norm_gradients_match_jax_grad_of_flax_reference():
+def test_batch_norm_gradients_match_jax_grad_of_flax_reference(formulation):
     norm = make_batch_norm()
     x = random_input(1, (E * 5, 4))
     cotangent = random_input(2, x.shape)

@@ -434,7 +434,7 @@ CONV_GRID = [
 
 
 @pytest.mark.parametrize("needs, dtype", CONV_GRID)
-def test_conv_every_differentiated_subset(needs, dtype):
+def test_conv_every_differentiated_subset(needs, dtype, formulation):
     check(Case(dtype=dtype), CONV_NEEDS[needs], primal=needs == "all")
 
 
@@ -458,7 +458,7 @@ CONV_SWEEP_CASES = covering(
 
 
 @pytest.mark.parametrize("name, needs", CONV_SWEEP_CASES)
-def test_conv_shapes_options_members_jit(name, needs):
+def test_conv_shapes_options_members_jit(name, needs, formulation):
     check(CONV_SWEEP[name], CONV_NEEDS[needs])
 
 
@@ -471,7 +471,7 @@ def test_conv_shapes_options_members_jit(name, needs):
     ],
     ids=["1d_E1", "2d_E5", "1d_grouped"],
 )
-def test_conv_eager(case):
+def test_conv_eager(case, formulation):
     check(case._replace(out_features=6), CONV_NEEDS["all"], jit=False, primal=True)
 
 
@@ -501,7 +501,7 @@ PUBLIC = {
 
 
 @pytest.mark.parametrize("name", list(PUBLIC))
-def test_conv_through_batch_ensemble_conv(name):
+def test_conv_through_batch_ensemble_conv(name, formulation):
     """Value-copying paddings and a bias through the public op."""
     check_public(*PUBLIC[name])
 
@@ -532,10 +532,19 @@ COUNT_CASE = Case(
     ],
     ids=["first_layer", "hidden_layer", "inputs", "grouped_first_layer"],
 )
-def test_conv_counts(case, argnums, forward, kernel_grads, input_grads):
+def test_conv_counts(case, argnums, forward, kernel_grads, input_grads, formulation):
     """Every convolution of ``jax.grad``, told apart by the shape it makes:
     ``(count, rows)`` of the forward and input-gradient ones, the number of
-    kernel-gradient ones."""
+    kernel-gradient ones.
+
+    The parameters give the CPU's formulation's; the accelerators' is JAX's
+    derivative of the formula, one convolution of all rows per gradient
+    (``dr`` through the input gradient, a first layer's too).
+    """
+    if formulation == "accelerator":
+        rows = case.num_members * case.batch
+        kernel_grads = int(any(i in argnums for i in (1, 2, 3)))
+        input_grads = (1, rows) if {0, 2} & set(argnums) else (0, 0)
     x, kernel, r, s = case_args(case)[:4]
     op = conv_op(case)
 
@@ -555,7 +564,7 @@ def test_conv_counts(case, argnums, forward, kernel_grads, input_grads):
     assert found["input"] == [input_grads[1]] * input_grads[0], shapes
 
 
-def test_conv_gradients_equal_jax_of_the_plain_formula():
+def test_conv_gradients_equal_jax_of_the_plain_formula(formulation):
     case = Case(num_members=3)
     args = case_args(case)
     options = (case.strides, "SAME", (1, 1), (1, 1), 1, None, None)
@@ -581,7 +590,7 @@ def test_conv_gradients_equal_jax_of_the_plain_formula():
             assert_close_to_scale(g, e, jnp.float32, scale=4)
 
 
-def test_conv_no_cotangent_for_unperturbed_output():
+def test_conv_no_cotangent_for_unperturbed_output(formulation):
     """Only the kernel differentiated, output partly unused: still right."""
     case = Case()
     x, kernel, r, s, _ = case_args(case)

@@ -276,6 +276,7 @@ def model_programs(
     image_size: int = 32,
     input_shape: Sequence[int] | None = None,
     impl: str = "xla",
+    norms: str = "shared",
 ) -> dict[str, tuple[Callable[..., Any], list[Any], tuple[int, ...]]]:
     """The plain and the BatchEnsemble program of a model, built abstractly.
 
@@ -291,6 +292,8 @@ def model_programs(
       image_size: the CNN's image height and width.
       input_shape: a factory's example shape.
       impl: the BatchEnsemble layers' ``impl``.
+      norms: how the conversion treats the model's norms, as
+        :func:`ensembles.to_batch_ensemble`'s ``norms``.
 
     Returns:
       ``{"single": (fn, specs, donate_argnums), "batchensemble": (...)}``.
@@ -314,7 +317,7 @@ def model_programs(
 
     def converted():
         ensemble = ensembles.to_batch_ensemble(
-            plain(), num_members=num_members, rngs=nnx.Rngs(1)
+            plain(), num_members=num_members, rngs=nnx.Rngs(1), norms=norms
         )
         return nnx.view(ensemble, impl=impl)
 
@@ -346,6 +349,7 @@ def compare_programs(
     image_size: int = 32,
     input_shape: Sequence[int] | None = None,
     impl: str = "xla",
+    norms: str = "shared",
 ) -> Comparison:
     """Compiles a model and its BatchEnsemble for ``chip`` and compares them.
 
@@ -360,6 +364,7 @@ def compare_programs(
       image_size: see :func:`model_programs`.
       input_shape: see :func:`model_programs`.
       impl: the BatchEnsemble layers' ``impl``.
+      norms: see :func:`model_programs`.
 
     Returns:
       The :class:`Comparison`.
@@ -379,6 +384,7 @@ def compare_programs(
         image_size=image_size,
         input_shape=input_shape,
         impl=impl,
+        norms=norms,
     )
     costs = {
         method: program_cost(chip, fn, specs, donate_argnums=donate)

@@ -10,6 +10,9 @@ per-channel scaling by ``s``. Plain ``jnp``, differentiated by JAX's own rules.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,7 +23,8 @@ from ensembles._checks import (
     check_choice,
     check_num_members,
 )
-from ensembles.members import per_row
+from ensembles.members import by_member_view, by_row
+from ensembles.ops import platform
 from ensembles.ops.conv_options import (
     IntOrSequence,
     PaddingLike,
@@ -53,17 +57,38 @@ def conv_transpose_rows(
 
     What :func:`batch_ensemble_conv_transpose` runs after its checks, and what
     the layer calls with the options it checked at construction: ``r`` and
-    ``s`` (and the bias) applied as per-row vectors
-    (:func:`ensembles.members.per_row`) around one ``lax.conv_transpose``.
-    Plain differentiation gives its gradients. The arrays' shapes are checked
+    ``s`` (and the bias) applied around one ``lax.conv_transpose``, as per-row
+    vectors on the CPU and in the ``[E, B, ...]`` view on GPUs and TPUs
+    (:func:`ensembles.ops.platform.by_platform`). Plain differentiation gives
+    its gradients. The arrays' shapes are checked
     here (a ``ValueError`` says which does not fit).
     """
     rank = check_shapes(
         inputs, kernel, r, s, bias, num_members, transpose_kernel=transpose_kernel
     )
     batch_shape = inputs.shape[: -rank - 1]
-    x = flatten_batch(inputs, rank)
-    x = x * per_row(r, x.shape[0], x.ndim)
+    options = (strides, padding, kernel_dilation, transpose_kernel, precision,
+               preferred_element_type)  # fmt: skip
+    y = platform.by_platform(
+        flatten_batch(inputs, rank),
+        kernel,
+        r,
+        s,
+        bias,
+        cpu=functools.partial(_formula, options=options, apply=by_row),
+        accelerator=functools.partial(_formula, options=options, apply=by_member_view),
+    )
+    return y.reshape(*batch_shape, *y.shape[1:])
+
+
+def _formula(x, kernel, r, s, bias, *, options, apply):
+    """The formula, each per-member vector applied by ``apply``.
+
+    ``apply`` is the CPU's :func:`~ensembles.members.by_row` or the
+    accelerators' :func:`~ensembles.members.by_member_view`.
+    """
+    strides, padding, kernel_dilation, transpose_kernel, precision, pet = options
+    x = apply(x, r, operator.mul)
     y = lax.conv_transpose(
         x,
         kernel,
@@ -72,7 +97,7 @@ def conv_transpose_rows(
         rhs_dilation=kernel_dilation,
         transpose_kernel=transpose_kernel,
         precision=precision,
-        preferred_element_type=preferred_element_type,
+        preferred_element_type=pet,
     )
     if padding == "CIRCULAR":
         # nnx.ConvTranspose's circular padding: pad each spatial axis to whole
@@ -96,10 +121,10 @@ def conv_transpose_rows(
                 continue
             y = y.reshape(*y.shape[:axis], -1, period, *y.shape[axis + 1 :])
             y = y.sum(axis=axis)
-    y = y * per_row(s, y.shape[0], y.ndim)
+    y = apply(y, s, operator.mul)
     if bias is not None:
-        y = y + per_row(bias, y.shape[0], y.ndim)
-    return y.reshape(*batch_shape, *y.shape[1:])
+        y = apply(y, bias, operator.add)
+    return y
 
 
 def batch_ensemble_conv_transpose(

@@ -8,11 +8,13 @@ The ops view the batch as ``[E, B, ...]`` and shift every axis the Flax norm
 would use by one, so the statistics are computed as Flax computes them (in at
 least float32, with the same fast-variance formula and ``pmean`` over
 ``axis_name``) on each member separately; the normalization itself is applied
-to the flat ``[E*B, ...]`` batch with per-row statistics and parameters.
+to the flat ``[E*B, ...]`` batch with per-row statistics and parameters on the
+CPU, in the view on GPUs and TPUs.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +29,7 @@ from ensembles._checks import (
     check_member_batch,
     check_num_members,
 )
+from ensembles.ops import platform
 
 __all__ = [
     "ensemble_batch_norm",
@@ -172,7 +175,14 @@ def _rows(a, members):
 def _normalize(
     members, mean, var, scale, bias, reduction_axes, feature_axes, dtype, epsilon
 ):
-    """Flax's ``_normalize`` per member, applied to the flat rows per row."""
+    """Flax's ``_normalize`` per member.
+
+    Applied in the flat ``[E*B, ...]`` batch's own layout with per-row
+    statistics and parameters on the CPU, in the ``[E, B, ...]`` view on GPUs
+    and TPUs (:func:`ensembles.ops.platform.by_platform`), where per-row
+    copies would be arrays of their own (a TPU makes them in slices, and
+    their transposes in the backward are scatters).
+    """
     stats_shape = list(members.shape)
     for a in reduction_axes:
         stats_shape[a] = 1
@@ -180,19 +190,34 @@ def _normalize(
     feature_shape[0] = members.shape[0]
     for a in feature_axes:
         feature_shape[a] = members.shape[a]
-    x = members.reshape(-1, *members.shape[2:])
-    mul = lax.rsqrt(_rows(var.reshape(stats_shape), members) + epsilon)
-    y = x - _rows(mean.reshape(stats_shape), members)
-    args = [members]
-    if scale is not None:
-        mul = mul * _rows(scale.reshape(feature_shape), members)
-        args.append(scale)
-    y = y * mul
-    if bias is not None:
-        y = y + _rows(bias.reshape(feature_shape), members)
-        args.append(bias)
-    dtype = _result_dtype(*args, dtype=dtype)
-    return jnp.asarray(y, dtype)
+    shapes = (tuple(stats_shape), tuple(feature_shape))
+
+    def formula(members, mean, var, scale, bias, *, per_row):
+        if per_row:
+            x = members.reshape(-1, *members.shape[2:])
+            fit = functools.partial(_rows, members=members)
+        else:
+            x, fit = members, lambda a: a
+        mul = lax.rsqrt(fit(var.reshape(shapes[0])) + epsilon)
+        y = x - fit(mean.reshape(shapes[0]))
+        if scale is not None:
+            mul = mul * fit(scale.reshape(shapes[1]))
+        y = y * mul
+        if bias is not None:
+            y = y + fit(bias.reshape(shapes[1]))
+        return y.reshape(-1, *members.shape[2:])
+
+    y = platform.by_platform(
+        members,
+        mean,
+        var,
+        scale,
+        bias,
+        cpu=functools.partial(formula, per_row=True),
+        accelerator=functools.partial(formula, per_row=False),
+    )
+    args = [a for a in (members, scale, bias) if a is not None]
+    return jnp.asarray(y, _result_dtype(*args, dtype=dtype))
 
 
 def _per_sample_norm(

@@ -28,10 +28,12 @@ from ensembles.benchmark.cli_options import (
     EPILOG,
     EXTRA_HINT,
     add_common_options,
+    add_compiled_options,
     add_output_options,
     add_quality_options,
     add_speed_options,
 )
+from ensembles.benchmark.compiled_report import format_comparisons, run_comparisons
 from ensembles.benchmark.methods import MODES, check_convertible
 from ensembles.benchmark.models import (
     DEFAULT_IMAGE_SIZE,
@@ -72,6 +74,13 @@ DEFAULTS: dict[str, Any] = {
 }
 QUICK: dict[str, Any] = {**DEFAULTS, "members": (1, 4), "repeats": 5}
 
+#: The same for ``--compiled-for`` (nothing is timed: no rounds, no malloc).
+COMPILED_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in DEFAULTS.items() if k not in ("repeats", "default_malloc")},
+    "members": (4,),
+    "dtype": ("float32",),
+}
+
 #: The same for ``--quality``: a full run is 3 seeds of both models.
 QUALITY_DEFAULTS: dict[str, Any] = {
     "model": QUALITY_MODELS,
@@ -95,6 +104,8 @@ _SPEED_ONLY = (
     "default_malloc",
 )
 _QUALITY_ONLY = ("seeds", "steps", "methods", "task")
+# What --compiled-for does not use: timing's and the plot's.
+_NOT_COMPILED = ("repeats", "default_malloc", "plot", "quick")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common_options(parser)
     add_speed_options(parser)
+    add_compiled_options(parser)
     add_quality_options(parser)
     add_output_options(parser)
     return parser
@@ -125,6 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compiled_for is not None:
+        if args.quality:
+            parser.error("--compiled-for and --quality are two benchmarks: give one")
+        given = [
+            key
+            for key in (*_QUALITY_ONLY, *_NOT_COMPILED)
+            if getattr(args, key) not in (None, False)
+        ]
+        if given:
+            flags = ", ".join("--" + key.replace("_", "-") for key in given)
+            parser.error(
+                f"{flags} {'does' if len(given) == 1 else 'do'} not apply "
+                f"with --compiled-for (nothing is timed or trained)"
+            )
+    elif args.dtype is not None:
+        parser.error("--dtype applies with --compiled-for only")
     other = _SPEED_ONLY if args.quality else _QUALITY_ONLY
     given = [key for key in other if getattr(args, key) is not None]
     if given:
@@ -136,6 +164,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.model_given = args.model is not None
     if args.quality:
         defaults = QUALITY_QUICK if args.quick else QUALITY_DEFAULTS
+    elif args.compiled_for is not None:
+        defaults = COMPILED_DEFAULTS
     else:
         defaults = QUICK if args.quick else DEFAULTS
     for key, value in defaults.items():
@@ -254,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     if args.quality:
         return _main_quality(args, _describe_device(), start)
+    if args.compiled_for is not None:
+        return _main_compiled(args, start)
     # Before JAX runs anything: the model check and the device query do.
     reused = not args.default_malloc and reuse_freed_memory()
     args.malloc_keeps_freed_memory = reused  # in the JSON's config
@@ -284,6 +316,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(rows, args.json, device=device, config=vars(args))
     if args.plot:
         _write_plot(rows, args.plot)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return 0
+
+
+def _main_compiled(args: argparse.Namespace, start: float) -> int:
+    """``main`` for ``--compiled-for``: compile, compare, print, write."""
+    print(
+        f"ensembles {ensembles.__version__}, jax {jax.__version__}: programs "
+        f"compiled for {', '.join(args.compiled_for)} (deviceless where this "
+        f"machine lacks the chip), the BatchEnsemble against one plain model on "
+        f"the same E*B rows",
+        flush=True,
+    )
+    try:
+        rows = run_comparisons(
+            chips=args.compiled_for,
+            models=args.model,
+            modes=args.mode,
+            members=args.members,
+            dtypes=args.dtype,
+            batch=args.batch,
+            width=args.width,
+            image_size=args.image_size,
+            input_shape=args.input_shape,
+            impl=args.impl,
+            progress=_progress(sys.stderr),
+        )
+    except RuntimeError as error:  # a chip's compiler is missing
+        print(f"ensembles-bench: error: {error}", file=sys.stderr)
+        return 2
+    print(format_comparisons(rows, markdown=args.markdown))
+    if args.json:
+        _write_json(
+            [row.as_dict() for row in rows],
+            args.json,
+            device=_describe_device(),
+            config=vars(args),
+        )
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 

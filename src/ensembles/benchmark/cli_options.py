@@ -17,6 +17,8 @@ from ensembles.benchmark.arguments import (
     positive_int,
     shape,
 )
+from ensembles.benchmark.chips import CHIPS
+from ensembles.benchmark.compiled import DTYPES
 from ensembles.benchmark.methods import MODES
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
 from ensembles.benchmark.quality_methods import QUALITY_METHODS
@@ -28,6 +30,7 @@ __all__ = [
     "EPILOG",
     "EXTRA_HINT",
     "add_common_options",
+    "add_compiled_options",
     "add_output_options",
     "add_quality_options",
     "add_speed_options",
@@ -189,6 +192,32 @@ def add_speed_options(parser: argparse.ArgumentParser) -> None:
         "malloc keeps freed memory, ensembles.benchmark.reuse_freed_memory; "
         "else a step whose temporaries pass its mmap threshold page-faults on "
         "every call; set before JAX runs, after only a --model factory's import)",
+    )
+
+
+def add_compiled_options(parser: argparse.ArgumentParser) -> None:
+    """The compiled-program comparison's options (``--compiled-for``)."""
+    parser.add_argument(
+        "--compiled-for",
+        type=choice_list(CHIPS),
+        default=None,
+        metavar="CHIPS",
+        help="instead of timing, compile each model and its BatchEnsemble for "
+        "these chips and compare the programs: kernels, loops, flops, "
+        "main-memory bytes, temporary memory, compile time, and where the "
+        "extra kernels come from; comma-separated from "
+        + ", ".join(CHIPS)
+        + " (an H100 without a GPU needs jax-cuda12-plugin and jax-cuda12-pjrt "
+        "at jax's version and JAX_PLATFORMS=cpu; TPUs need jax[tpu]; "
+        "docs/cost.md). --model, --members (default: 4), --mode, --batch, "
+        "--width, --image-size, --input-shape and --impl apply",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=choice_list(tuple(DTYPES)),
+        default=None,
+        help="--compiled-for: the dtypes of parameters, inputs and compute, "
+        "comma-separated (default: float32)",
     )
 
 

@@ -21,7 +21,6 @@ True
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -187,19 +186,31 @@ class Comparison:
     def extra_kernels(self) -> list[hlo.Kernel]:
         """The BatchEnsemble's kernels beyond the plain model's.
 
-        Kernels are matched by what they compute (category and operations),
-        loop trips counted; what is left of the BatchEnsemble's is returned.
+        Each plain kernel, in program order, is matched to the unmatched
+        BatchEnsemble kernel of its category (matmul, convolution, other,
+        DMA) that computes the most alike: the largest share of operations in
+        common, then the nearest bytes. What is left, loop trips counted, is
+        what the BatchEnsemble adds: its scalings' own kernels, a loop's
+        body, a matmul more.
         """
-        left = collections.Counter()
+        left = [[kernel, kernel.trips] for kernel in self.ensemble.program.kernels]
         for kernel in self.plain.program.kernels:
-            left[kernel.signature] += kernel.trips
-        extra = []
-        for kernel in self.ensemble.program.kernels:
-            if left[kernel.signature] >= kernel.trips:
-                left[kernel.signature] -= kernel.trips
-            else:
-                extra.append(kernel)
-        return extra
+            trips = kernel.trips
+            while trips:
+                candidates = [
+                    entry
+                    for entry in left
+                    if entry[1] and entry[0].category == kernel.category
+                ]
+                if not candidates:
+                    break
+                best = max(candidates, key=lambda entry: _likeness(entry[0], kernel))
+                taken = min(trips, best[1])
+                best[1] -= taken
+                trips -= taken
+        return [
+            dataclasses.replace(kernel, trips=trips) for kernel, trips in left if trips
+        ]
 
     def as_dict(self) -> dict[str, Any]:
         """The comparison, for JSON."""
@@ -223,6 +234,13 @@ class Comparison:
                 for k in self.extra_kernels()
             ],
         }
+
+
+def _likeness(a: hlo.Kernel, b: hlo.Kernel) -> tuple[float, float]:
+    """How alike two kernels are: shared operations, then nearness in bytes."""
+    ops_a, ops_b = set(a.ops), set(b.ops)
+    shared = len(ops_a & ops_b) / max(len(ops_a | ops_b), 1)
+    return shared, -abs(a.hbm_bytes - b.hbm_bytes)
 
 
 def _abstract(model: Any, dtype: jnp.dtype) -> tuple[Any, Any, Any]:

@@ -331,21 +331,41 @@ class _Reader:
         return sliced
 
     def trip_count(self, instruction: Instruction) -> int | None:
+        """A ``while`` loop's trips, or ``None`` if unknown.
+
+        The GPU compiler's ``known_trip_count``, else the constant the loop's
+        condition compares the counter with (counters start at 0 and step by
+        1 in JAX's loops).
+        """
         known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instruction.attributes)
         if known:
             return int(known.group(1))
         condition = instruction.called("condition")
-        body = self.computations.get(condition[0], []) if condition else []
-        constants = {
-            i.name: int(i.arguments)
-            for i in body
-            if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arguments)
-        }
+        return self._bound(condition[0], {}) if condition else None
+
+    def _bound(self, computation: str, arguments: dict[int, int | None]) -> int | None:
+        """The constant a ``compare(..., direction=LT)`` of ``computation`` meets.
+
+        Fusions it calls are searched too; ``arguments`` are the values of its
+        parameters that are known constants.
+        """
+        body = self.computations.get(computation, [])
+        values: dict[str, int | None] = {}
+        for i in body:
+            if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.arguments):
+                values[i.name] = int(i.arguments)
+            elif i.opcode == "parameter" and i.arguments.isdigit():
+                values[i.name] = arguments.get(int(i.arguments))
         for i in body:
             if i.opcode == "compare" and "direction=LT" in i.attributes:
-                for operand in i.operands:
-                    if operand in constants:
-                        return constants[operand]
+                for operand in i.operands[1:]:
+                    if values.get(operand) is not None:
+                        return values[operand]
+            if i.opcode == "fusion" and i.called("calls"):
+                passed = {k: values.get(name) for k, name in enumerate(i.operands)}
+                found = self._bound(i.called("calls")[0], passed)
+                if found is not None:
+                    return found
         return None
 
     def kernels(self, computation: str, trips: int, loops: list) -> list[Kernel]:

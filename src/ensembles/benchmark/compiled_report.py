@@ -1,0 +1,166 @@
+"""``ensembles-bench --compiled-for``: runs the comparisons and prints them.
+
+:func:`run_comparisons` compiles every chip, model, mode, ensemble size and
+dtype asked for (:func:`ensembles.benchmark.compiled.compare_programs`);
+:func:`format_comparisons` prints one table of ratios (the BatchEnsemble's
+program over the plain model's on the same ``E*B`` rows) and, under it, where
+each BatchEnsemble's extra kernels come from.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ensembles.benchmark.compiled import Comparison, compare_programs
+from ensembles.benchmark.report import render_table
+
+__all__ = ["COLUMNS", "format_comparisons", "run_comparisons"]
+
+#: The table's columns.
+COLUMNS: tuple[str, ...] = (
+    "chip",
+    "model",
+    "mode",
+    "dtype",
+    "E",
+    "B",
+    "flops x",
+    "bytes x",
+    "kernels",
+    "matmul/conv",
+    "loops (trips)",
+    "temp MiB",
+    "compile s",
+)
+
+
+def run_comparisons(
+    *,
+    chips: Sequence[str],
+    models: Sequence[Any],
+    modes: Sequence[str],
+    members: Sequence[int],
+    dtypes: Sequence[str],
+    batch: int,
+    width: int | None = None,
+    image_size: int = 32,
+    input_shape: Sequence[int] | None = None,
+    impl: str = "xla",
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[Comparison]:
+    """Every comparison asked for, chip by chip (libtpu allows one at a time).
+
+    Args:
+      chips: names of :data:`ensembles.benchmark.chips.CHIPS`.
+      models: benchmark model names or factories.
+      modes: ``"forward"`` and/or ``"train"``.
+      members: ensemble sizes E.
+      dtypes: keys of :data:`ensembles.benchmark.compiled.DTYPES`.
+      batch: B, rows per member.
+      width: see :func:`~ensembles.benchmark.build_model`.
+      image_size: the CNN's image height and width.
+      input_shape: a factory's example shape.
+      impl: the BatchEnsemble layers' ``impl``.
+      progress: called with a line before each compile.
+
+    Returns:
+      The :class:`~ensembles.benchmark.compiled.Comparison` of each.
+    """
+    rows = []
+    for chip in chips:
+        for model in models:
+            for mode in modes:
+                for num_members in members:
+                    for dtype in dtypes:
+                        progress(
+                            f"compiling {getattr(model, '__name__', model)} {mode} "
+                            f"E={num_members} {dtype} for {chip}"
+                        )
+                        rows.append(
+                            compare_programs(
+                                model,
+                                mode,
+                                chip=chip,
+                                num_members=num_members,
+                                batch=batch,
+                                dtype=dtype,
+                                width=width,
+                                image_size=image_size,
+                                input_shape=input_shape,
+                                impl=impl,
+                            )
+                        )
+    progress("")
+    return rows
+
+
+def _pair(ensemble: float, plain: float, digits: int = 0) -> str:
+    return f"{ensemble:.{digits}f} / {plain:.{digits}f}"
+
+
+def _cells(row: Comparison) -> list[str]:
+    ensemble, plain = row.ensemble, row.plain
+    return [
+        row.chip,
+        row.model,
+        row.mode,
+        row.dtype,
+        str(row.num_members),
+        str(row.batch),
+        f"{row.ratio('flops'):.3f}",
+        f"{row.ratio('hbm_bytes'):.2f}",
+        _pair(ensemble.launches, plain.launches),
+        _pair(ensemble.matmul_launches, plain.matmul_launches),
+        f"{ensemble.loops} ({ensemble.loop_trips}) / {plain.loops} "
+        f"({plain.loop_trips})",
+        _pair(ensemble.temp_bytes / 2**20, plain.temp_bytes / 2**20, 1),
+        _pair(ensemble.compile_seconds, plain.compile_seconds, 1),
+    ]
+
+
+def _sources(row: Comparison, limit: int) -> str:
+    """The extra kernels' bytes by source line, largest first."""
+    by_source: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for kernel in row.extra_kernels():
+        entry = by_source[kernel.source or "(no source line)"]
+        entry[0] += kernel.trips
+        entry[1] += kernel.hbm_bytes * kernel.trips
+    ranked = sorted(by_source.items(), key=lambda item: -item[1][1])
+    shown = [
+        f"{count} x {size / 1e6:.1f} MB at {source}"
+        for source, (count, size) in ranked[:limit]
+    ]
+    if len(ranked) > limit:
+        shown.append(f"{len(ranked) - limit} more lines")
+    return "; ".join(shown) if shown else "none"
+
+
+def format_comparisons(
+    rows: Sequence[Comparison], *, markdown: bool = False, limit: int = 4
+) -> str:
+    """The comparisons as one table and, under it, the extra kernels' sources.
+
+    ``flops x`` and ``bytes x`` are the BatchEnsemble's over the plain
+    model's; ``kernels``, ``matmul/conv``, ``loops``, ``temp MiB`` and
+    ``compile s`` give both, BatchEnsemble first.
+
+    Args:
+      rows: :func:`run_comparisons`' results.
+      markdown: a Markdown table instead of aligned text.
+      limit: source lines shown per row (the largest extra bytes first).
+
+    Returns:
+      The text.
+    """
+    table = render_table(
+        COLUMNS, [_cells(row) for row in rows], markdown=markdown, left=1
+    )
+    lines = [
+        f"- {row.chip} {row.model} {row.mode} {row.dtype} E={row.num_members}: "
+        f"{_sources(row, limit)}"
+        for row in rows
+    ]
+    heading = "Kernels the BatchEnsemble adds (count x main-memory bytes, source):"
+    return "\n".join([table, "", heading, *lines])

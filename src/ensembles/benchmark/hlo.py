@@ -291,11 +291,10 @@ class _Reader:
                 total += sum(a.bytes for a in operand if a.memory_space == 0)
         root = self._fusion_root(instruction)
         if root is not None and root.opcode == "dynamic-update-slice":
-            # In place: the update is written, the buffer neither read nor written.
+            # In place: the update is written, not the whole buffer (which
+            # _sliced_parameters counts as not read).
             update = self.shapes[instruction.called("calls")[0]].get(root.operands[1])
-            buffer = sum(a.bytes for a in outputs if a.memory_space == 0)
-            written = sum(a.bytes for a in update or () if a.memory_space == 0)
-            return total - buffer + written
+            return total + sum(a.bytes for a in update or () if a.memory_space == 0)
         return total + sum(a.bytes for a in outputs if a.memory_space == 0)
 
     def _fusion_root(self, instruction: Instruction) -> Instruction | None:

@@ -114,3 +114,33 @@ def test_pallas_needs_one_artifact_per_platform():
         export.export(
             jax.jit(apply), platforms=["cuda", "tpu"], disabled_checks=ALLOW_TRITON
         )(*specs(X, leaves))
+
+
+@pytest.mark.parametrize(
+    "platforms, batched",
+    [
+        (["cuda"], [True]),
+        (["tpu"], [True]),
+        (["cpu"], [False]),
+        (["cpu", "cuda"], [False, True]),
+    ],
+)
+def test_each_platform_gets_its_formulation(platforms, batched):
+    """The platform a program is lowered for chooses the formulation
+    (``ensembles.ops.platform``), not the machine's default backend: a CUDA or
+    TPU program holds the members-as-batch matmul, a CPU one the flat matmul;
+    an artifact for several holds each for its platform."""
+
+    def dense(x, kernel, r, s):
+        return ensembles.ops.batch_ensemble_dense(x, kernel, r, s, num_members=2)
+
+    shapes = ((6, 4), (4, 5), (2, 4), (2, 5))
+    exported = export.export(jax.jit(dense), platforms=platforms)(
+        *[jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+    )
+    dots = {
+        "batching_dims = [0] x [0]" in line
+        for line in exported.mlir_module().splitlines()
+        if "stablehlo.dot_general" in line
+    }
+    assert dots == set(batched)

@@ -352,3 +352,17 @@ def test_by_member_view_and_by_row_agree():
         assert jnp.array_equal(
             by_row(array, weights, op), by_member_view(array, weights, op)
         )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"mode": "backward"}, "`mode` must be 'forward' or 'train'"),
+        ({"mode": "forward", "dtype": "float16"}, "`dtype` must be one of"),
+        ({"mode": "forward", "chip": "tpu9"}, "`chip` must be one of"),
+    ],
+)
+def test_bad_options_are_named(options, message):
+    arguments = {"chip": "cpu", **options}
+    with pytest.raises(ValueError, match=message):
+        compare_programs("linear", num_members=2, batch=2, width=4, **arguments)

@@ -256,14 +256,22 @@ def _abstract(model: Any, dtype: jnp.dtype) -> tuple[Any, Any, Any]:
     return graphdef, jax.tree.map(spec, params), jax.tree.map(spec, rest)
 
 
-def _step(graphdef, mode, labels, opt_init=None):
-    """The forward or the AdamW train step of a split model, and its donations."""
-    if mode == "forward":
+def _forward(graphdef):
+    """The forward of a split model: ``(params, rest, x) -> outputs``."""
 
-        def forward(params, rest, x):
-            return merge(graphdef, params, rest)(x)
+    def forward(params, rest, x):
+        return merge(graphdef, params, rest)(x)
 
-        return forward, ()
+    return forward
+
+
+def _train_step(graphdef, labels):
+    """An AdamW step of a split model, and the optax transformation.
+
+    ``(params, opt_state, rest, x, y) -> (params, opt_state, rest, loss)``;
+    the loss is :func:`~ensembles.benchmark.steps.train_loss`'s for ``labels``,
+    of the outputs in float32.
+    """
     _, loss_of = train_loss(labels)
     optax = optax_module()
     tx = optax.adamw(LEARNING_RATE)
@@ -342,16 +350,13 @@ def model_programs(
     programs = {}
     for method, build in (("single", plain), ("batchensemble", converted)):
         graphdef, params, rest = _abstract(nnx.eval_shape(build), DTYPES[dtype])
-        fn, tx = _step(graphdef, mode, labels)
         if mode == "forward":
-            programs[method] = (fn, [params, rest, x_spec], ())
+            programs[method] = (_forward(graphdef), [params, rest, x_spec], ())
         else:
+            train, tx = _train_step(graphdef, labels)
             opt_state = jax.eval_shape(tx.init, params)
-            programs[method] = (
-                fn,
-                [params, opt_state, rest, x_spec, y_spec],
-                (0, 1, 2),
-            )
+            specs = [params, opt_state, rest, x_spec, y_spec]
+            programs[method] = (train, specs, (0, 1, 2))
     return programs
 
 

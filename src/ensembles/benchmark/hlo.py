@@ -88,11 +88,6 @@ class Kernel:
     source: str | None
     op_name: str | None
 
-    @property
-    def signature(self) -> tuple:
-        """What the kernel is, apart from its name: for matching programs."""
-        return (self.category, self.ops)
-
 
 @dataclasses.dataclass(frozen=True)
 class Program:

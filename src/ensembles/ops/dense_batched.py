@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
@@ -57,7 +58,7 @@ def _batched(lhs, stacked, precision, pet):
 
 def _stack(kernel, num_members):
     """``kernel`` broadcast to ``[E, in, out]``: read per member, never written."""
-    return jax.numpy.broadcast_to(kernel, (num_members, *kernel.shape))
+    return jnp.broadcast_to(kernel, (num_members, *kernel.shape))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
@@ -129,7 +130,7 @@ def _member_matmul_jvp(precision, pet, primals, tangents):
     if ds is not None:
         terms.append(z * ds[:, None, :])
     if not terms:  # nothing differentiated (jax.jvp with zero tangents)
-        return y, jax.numpy.zeros_like(y)
+        return y, jnp.zeros_like(y)
     return y, sum(terms).astype(y.dtype)
 
 

@@ -124,7 +124,7 @@ def test_gaussian_head_splits_and_floors():
         (
             lambda: gaussian_head(jnp.ones((4, 2)), min_std=-1),
             ValueError,
-            "`min_std` must be >= 0",
+            "`min_std` must be finite and >= 0",
         ),
         (lambda: gaussian_head(jnp.ones((4, 2), int)), TypeError, "floating-point"),
         (

@@ -131,6 +131,30 @@ def as_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:
     return jnp.asarray(check_array(value, name, what=what))
 
 
+def as_real_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:
+    """:func:`as_array` for real values that must not wrap: targets, values.
+
+    Without ``jax_enable_x64`` JAX holds integers in 32 bits, and
+    ``jnp.asarray`` of a numpy ``int64`` array wraps what lies beyond
+    ``2**31`` (3,000,000,000 becomes -1,294,967,296) without a word. A host
+    integer array of more than 32 bits is converted to float64 on the host
+    first, and JAX then holds it in its float dtype (float32 without x64): the
+    nearest value it can hold, never a wrapped one.
+
+    >>> import numpy as np
+    >>> from ensembles._checks import as_real_array
+    >>> as_real_array(np.array([3_000_000_000, 5], np.int64), "targets")
+    Array([3.e+09, 5.e+00], dtype=float32)
+    """
+    value = check_array(value, name, what=what)
+    if not isinstance(value, jax.Array) and not hasattr(value, "__jax_array__"):
+        host = np.asarray(value)
+        wide = host.dtype.kind in "iu" and host.dtype.itemsize > 4
+        if wide and not jax.config.jax_enable_x64:
+            value = host.astype(np.float64)
+    return jnp.asarray(value)
+
+
 def as_operands(
     inputs: Any, kernel: Any, r: Any, s: Any, bias: Any
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:

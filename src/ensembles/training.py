@@ -15,6 +15,7 @@ model with rank-1 Bayesian fast weights (``posterior="gaussian"``) adds its
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from flax.nnx import graph as nnx_graph
 
 from ensembles._checks import (
     as_array,
+    as_real_array,
     check_labels,
     check_member_batch,
     check_num_members,
@@ -170,7 +172,8 @@ def gaussian_head(outputs: jax.Array, *, min_std: float = 1e-3) -> tuple:
       promoted to at least float32.
 
     Raises:
-      ValueError: if the last axis is not of size 2, or ``min_std < 0``.
+      ValueError: if the last axis is not of size 2, or ``min_std`` is not
+        finite and ``>= 0``.
       TypeError: if ``outputs`` is not a floating-point array.
     """
     outputs = as_array(outputs, "outputs")
@@ -186,8 +189,11 @@ def gaussian_head(outputs: jax.Array, *, min_std: float = 1e-3) -> tuple:
             f"reshaped to [..., D, 2])."
         )
     min_std = check_real(min_std, "min_std")
-    if not min_std >= 0:
-        raise ValueError(f"`min_std` must be >= 0, got {min_std}.")
+    if not 0 <= min_std < math.inf:
+        raise ValueError(
+            f"`min_std` must be finite and >= 0, got {min_std}: a floor in the "
+            f"targets' units, e.g. 1e-3 for standardised targets."
+        )
     outputs = outputs.astype(jnp.promote_types(outputs.dtype, jnp.float32))
     return outputs[..., 0], jax.nn.softplus(outputs[..., 1]) + min_std
 
@@ -203,7 +209,7 @@ def _regression_rows(
     tiled here) or ``[E*B(, D)]``.
     """
     values = as_array(values, name)
-    targets = as_array(targets, "targets", what="an array of real targets")
+    targets = as_real_array(targets, "targets", what="an array of real targets")
     if not jnp.issubdtype(values.dtype, jnp.floating):
         raise TypeError(
             f"`{name}` must be a floating-point array, got dtype {values.dtype}."
@@ -222,10 +228,15 @@ def _regression_rows(
     shape = tuple(values.shape)
     if values.ndim == targets.ndim + 1:
         if shape[0] != num_members or shape[2:] != example:
+            ending = (
+                f"end in the targets' output axes {example}"
+                if example
+                else "have no axis after B (the targets have no output axis)"
+            )
             raise ValueError(
                 f"`{name}` of shape {shape} read as [E, B{', D' if example else ''}] "
                 f"must have E = num_members = {num_members} members on axis 0 and "
-                f"end in the targets' {example or 'no'} output axes."
+                f"{ending}."
             )
         values = values.reshape(-1, *example)
     elif values.ndim != targets.ndim or shape[1:] != example:

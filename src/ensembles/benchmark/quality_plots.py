@@ -13,6 +13,7 @@ are standard deviations over seeds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,13 +89,14 @@ def _reliability_panel(ax, group) -> None:
     ax.plot([0, 1], [0, 1], color="black", linewidth=0.8)
     for entry in group:
         curve = entry["recalibrated"].get("pit_curve")
-        if curve is not None:
-            ax.plot(
-                PIT_LEVELS,
-                [_values(v)[0] for v in curve],
-                marker=".",
-                label=method_label(entry),
-            )
+        if curve is None:
+            continue
+        values = [_values(v)[0] for v in curve]
+        label = method_label(entry)
+        if any(value is None or math.isnan(value) for value in values):
+            label += " (NaN: not drawn)"  # a diverged prediction has no curve
+            values = [math.nan] * len(values)
+        ax.plot(PIT_LEVELS, values, marker=".", label=label)
     ax.set_xlabel("level p")
     ax.set_ylabel("share of test targets with PIT <= p")
     ax.grid(alpha=0.3)

@@ -16,6 +16,7 @@ sets show by how much it fails out of it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles import training, uncertainty
+from ensembles._checks import as_real_array
 from ensembles.benchmark.quality_data import QualityData
 from ensembles.benchmark.quality_methods import MIN_STD, Trained
 from ensembles.benchmark.quality_training import gaussian_pairs
@@ -118,7 +120,10 @@ def _metric_values(means, stds, targets) -> dict[str, jax.Array]:
 def _metrics(members: tuple, targets: np.ndarray, quantile: float | None) -> dict:
     values = {
         name: float(value)
-        for name, value in _metric_values(*members, jnp.asarray(targets)).items()
+        # Converted before the jit: its boundary would wrap int64 targets.
+        for name, value in _metric_values(
+            *members, as_real_array(targets, "targets")
+        ).items()
     }
     if quantile is not None:  # split-conformal intervals of the as-trained members
         lower, upper = uncertainty.conformal_interval(*members, quantile)
@@ -149,7 +154,13 @@ def _measure_sets(
         "in_distribution": _metrics(members_in, data.y_test, quantile)
     }
     pit = np.asarray(uncertainty.mixture_cdf(*members_in, data.y_test)).reshape(-1)
-    result["pit_curve"] = [float(np.mean(pit <= level)) for level in PIT_LEVELS]
+    # A NaN PIT value (a diverged prediction) is no share of any level: the
+    # curve is NaN, as every other aggregate of such a set is, never a curve
+    # that counts it above every level.
+    result["pit_curve"] = [
+        math.nan if np.isnan(pit).any() else float(np.mean(pit <= level))
+        for level in PIT_LEVELS
+    ]
     if data.noise_std is not None:
         aleatoric = np.sqrt(np.asarray(uncertainty.aleatoric_variance(*members_in)))
         error = np.log(aleatoric) - np.log(np.asarray(data.noise_std))
@@ -291,9 +302,13 @@ def evaluate_regression(
     diverged = not all(np.isfinite(np.asarray(a)).all() for a in valid)
     std_scale = conformal = math.nan
     if not diverged:
-        std_scale = float(
-            uncertainty.fit_std_scale(*valid, np.asarray(y_valid), bounds=SCALE_BOUNDS)
-        )
+        with warnings.catch_warnings():  # reported as std_scale_at_bound
+            warnings.filterwarnings("ignore", "fit_std_scale ended at", UserWarning)
+            std_scale = float(
+                uncertainty.fit_std_scale(
+                    *valid, np.asarray(y_valid), bounds=SCALE_BOUNDS
+                )
+            )
         conformal = float(
             uncertainty.fit_conformal_quantile(*valid, np.asarray(y_valid), _LEVEL)
         )

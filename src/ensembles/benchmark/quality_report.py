@@ -74,6 +74,9 @@ _OOD: tuple[tuple[str, str, bool], ...] = (
 def _mean_std(values: list[float | None]) -> dict[str, float | None]:
     if any(value is None for value in values):
         return {"mean": None, "std": None}
+    if any(math.isnan(value) for value in values):
+        # A diverged seed: no mean to give (statistics.stdev raises on NaN).
+        return {"mean": math.nan, "std": math.nan}
     return {
         "mean": statistics.fmean(values),
         "std": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -135,6 +138,9 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       (``gap_closed_as_trained``); ``None`` where the deep ensemble is no
       better than one model by more than noise (at least :data:`MIN_GAP` of
       its NLL and more than :data:`MIN_GAP_STANDARD_ERRORS` standard errors).
+      With fewer than two seeds of one model or of the deep ensemble there is
+      no noise rule, and no ``gap_closed`` entry (one seed once printed 911%
+      and -444% of gaps the seeds could not tell from noise).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -167,6 +173,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         deep = by_key.get((*where, "deep_ensemble"))
         if single is None or deep is None:
             continue
+        if min(single["seeds"], deep["seeds"]) < 2:
+            continue  # one seed has no spread: no noise rule, no ratio
         metrics = ("nll", "crps") if entry["regression"] else ("nll",)
         for metric in metrics:
             suffix = "" if metric == "nll" else f"_{metric}"

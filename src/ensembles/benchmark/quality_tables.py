@@ -78,6 +78,17 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
     suffix = "" if metric == "nll" else f"_{metric}"
     keys = (f"gap_closed{suffix}", f"gap_closed{suffix}_as_trained")
     gaps = [entry[key] for entry in group for key in keys if entry.get(key)]
+    seeds = {entry["method"]: entry.get("seeds", 0) for entry in group}
+    if (
+        not gaps
+        and {"single", "deep_ensemble"} <= set(seeds)
+        and min(seeds["single"], seeds["deep_ensemble"]) < 2
+    ):
+        return (
+            f"No {metric.upper()} gap closed is given: it needs at least two seeds "
+            "of single and deep_ensemble, whose spread tells a gap from noise "
+            "(--seeds 2 or more)."
+        )
     if gaps and all(value is None for gap in gaps for value in gap.values()):
         return (
             f"No {metric.upper()} gap to close: the deep ensemble is not better "

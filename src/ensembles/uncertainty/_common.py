@@ -81,8 +81,11 @@ def _float_label_hint(labels) -> str:
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         values = None
     dtype = getattr(labels, "dtype", None) if values is None else values.dtype
-    if dtype is None or not np.issubdtype(np.dtype(dtype), np.floating):
+    # jnp's test, not numpy's: numpy does not count bfloat16 as floating.
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         return ": for one-hot labels pass `labels.argmax(-1)`"
+    if values is not None:
+        values = values.astype(np.float64)
     if values is not None and np.all(
         np.isfinite(values) & (values == np.round(values))
     ):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy import special
 
-from ensembles._checks import as_array, check_real
+from ensembles._checks import as_array, as_real_array, check_real
 
 #: Bisection steps of the mixture's quantiles: the bracket (the members' own
 #: quantiles) narrows by 2**-60, below float64's resolution.
@@ -88,7 +88,7 @@ def check_stds(stds: Any, means: jax.Array) -> jax.Array | None:
 
 def check_targets(targets: Any, means: jax.Array) -> jax.Array:
     """Returns ``targets`` as a real ``[B]`` or ``[B, D]`` array matching ``means``."""
-    targets = as_array(targets, "targets", what="an array of real targets")
+    targets = as_real_array(targets, "targets", what="an array of real targets")
     if targets.dtype == jnp.bool_ or not (
         jnp.issubdtype(targets.dtype, jnp.floating)
         or jnp.issubdtype(targets.dtype, jnp.integer)
@@ -262,33 +262,121 @@ def mixture_quantiles(
 ) -> jax.Array:
     """The mixture's quantiles ``inf {y : F(y) >= q}`` at ``levels`` ``[Q]``.
 
-    Returns ``[Q, B(, D)]``. Point members: the ``ceil(q E)``-th smallest
-    member mean, exactly. Gaussian members: bisection between the members'
-    own quantiles at ``q`` (the mixture's lies between the smallest and the
-    largest of them, since its CDF is their CDFs' mean), for
-    :data:`QUANTILE_ITERATIONS` steps.
+    Returns ``[Q, B(, D)]``; NaN at a NaN level. Point members: the
+    ``ceil(q E)``-th smallest member mean, exactly. Gaussian members:
+    :func:`gaussian_quantiles`.
     """
     num_members = means.shape[0]
     shape = (levels.shape[0],) + (1,) * (means.ndim - 1)
     q = levels.reshape(shape).astype(means.dtype)
-    if stds is None:
-        ordered = jnp.sort(means, axis=0)
-        rank = jnp.clip(jnp.ceil(q * num_members) - 1, 0, num_members - 1)
-        shape = (levels.shape[0], *means.shape[1:])
-        index = jnp.broadcast_to(rank.astype(jnp.int32), shape)
-        return jnp.take_along_axis(ordered, index, axis=0)
-    own = means[None] + stds[None] * special.ndtri(q)[:, None]  # [Q, E, B(, D)]
+    if stds is not None:
+        return gaussian_quantiles(means, stds, q)
+    ordered = jnp.sort(means, axis=0)
+    rank = jnp.clip(jnp.ceil(q * num_members) - 1, 0, num_members - 1)
+    shape = (levels.shape[0], *means.shape[1:])
+    # A NaN level has no rank: clip would make it the smallest member's.
+    index = jnp.broadcast_to(jnp.nan_to_num(rank).astype(jnp.int32), shape)
+    quantiles = jnp.take_along_axis(ordered, index, axis=0)
+    return jnp.where(jnp.isnan(q), jnp.nan, quantiles)
+
+
+@jax.custom_jvp
+def gaussian_quantiles(means: jax.Array, stds: jax.Array, q: jax.Array) -> jax.Array:
+    """A Gaussian mixture's quantiles at ``q`` (``[Q, 1, ...]``): ``[Q, B(, D)]``.
+
+    Bisection between the members' own quantiles at ``q`` (the mixture's lies
+    between the smallest and the largest of them, since its CDF is their
+    CDFs' mean), for :data:`QUANTILE_ITERATIONS` steps. An upper level is
+    solved as the lower level ``1 - q`` of the mirrored mixture (means
+    negated): ``1 - q`` is exact in floating point for ``q >= 1/2``, and the
+    CDF of a far lower tail is accurate where ``1 - F`` near 1 is not (the
+    survival function, in effect). Differentiated by the implicit function
+    theorem (:func:`_gaussian_quantiles_jvp`), not through the bisection.
+    """
+    upper = q > 0.5
+    tail = jnp.where(upper, 1 - q, q)
+    mirrored = jnp.where(upper[:, None], -means[None], means[None])  # [Q, E, ...]
+    own = mirrored + stds[None] * special.ndtri(tail)[:, None]
     low, high = jnp.min(own, axis=1), jnp.max(own, axis=1)
 
     def step(_, bounds):
         low, high = bounds
         middle = (low + high) / 2
-        cdf = jnp.mean(member_cdfs(means[None], stds[None], middle[:, None]), axis=1)
-        above = cdf >= q
+        cdf = jnp.mean(special.ndtr((middle[:, None] - mirrored) / stds[None]), axis=1)
+        above = cdf >= tail
         return jnp.where(above, low, middle), jnp.where(above, middle, high)
 
     low, high = jax.lax.fori_loop(0, QUANTILE_ITERATIONS, step, (low, high))
-    return (low + high) / 2
+    middle = (low + high) / 2
+    return jnp.where(upper, -middle, middle)
+
+
+@gaussian_quantiles.defjvp
+def _gaussian_quantiles_jvp(primals, tangents):
+    """``dy = (dq + sum_k w_k (dm_k + z_k ds_k) / E) / f(y)``.
+
+    From ``F(y) = q`` with ``F = 1/E sum_k Phi(z_k)``, ``z_k = (y - m_k) /
+    s_k``: the weights ``w_k = phi(z_k) / s_k`` are the members' densities at
+    the quantile and ``f = 1/E sum_k w_k`` the mixture's. They are formed in
+    log space, so that a quantile far in every member's tail keeps its
+    weights' proportions (``pdf_k / sum pdf``).
+    """
+    means, stds, q = primals
+    dmeans, dstds, dq = tangents
+    y = gaussian_quantiles(means, stds, q)
+    z = (y[:, None] - means[None]) / stds[None]  # [Q, E, ...]
+    log_weights = -0.5 * jnp.square(z) - jnp.log(stds[None]) - _HALF_LOG_TWO_PI
+    log_density = jax.nn.logsumexp(log_weights, axis=1) - math.log(means.shape[0])
+    shares = jnp.exp(log_weights - jax.nn.logsumexp(log_weights, axis=1)[:, None])
+    dy = jnp.sum(shares * (dmeans[None] + z * dstds[None]), axis=1)
+    dy = dy + dq * jnp.exp(-log_density)
+    return y, dy
+
+
+def central_interval(
+    means: jax.Array, stds: jax.Array | None, level: float
+) -> tuple[jax.Array, jax.Array]:
+    """The mixture's ``(lower, upper)`` bounds holding ``level`` of its mass.
+
+    Its ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles. For Gaussian
+    members the upper bound is the mirrored mixture's lower one at the same
+    tail, so both tails are resolved alike: ``(1 + level) / 2`` rounded to
+    float32 would lose most of a tail of ``1e-5`` (its spacing near 1 is
+    ``6e-8``). ``level`` is a Python float, known when tracing.
+    """
+    if stds is None:
+        levels = jnp.array([(1 - level) / 2, (1 + level) / 2], means.dtype)
+        bounds = mixture_quantiles(means, None, levels)
+        return bounds[0], bounds[1]
+    tail = jnp.full((1,) * means.ndim, (1 - level) / 2, means.dtype)
+    lower = gaussian_quantiles(means, stds, tail)[0]
+    upper = -gaussian_quantiles(-means, stds, tail)[0]
+    return lower, upper
+
+
+@jax.custom_jvp
+def _expected_abs(difference: jax.Array, scale: jax.Array) -> jax.Array:
+    """``E|X|`` for ``X ~ N(difference, scale**2)``, ``scale > 0``."""
+    z = difference / scale
+    return difference * (2 * special.ndtr(z) - 1) + 2 * scale * jnp.exp(
+        -0.5 * jnp.square(z) - _HALF_LOG_TWO_PI
+    )
+
+
+@_expected_abs.defjvp
+def _expected_abs_jvp(primals, tangents):
+    """``d/dm = 2 Phi(z) - 1`` and ``d/ds = 2 phi(z)``, ``z = m / s``.
+
+    Written out, not JAX's derivative of the formula: for a tiny scale (a
+    valid 1e-20) that one multiplies ``phi(z) = 0`` by ``dz/ds = -m / s^2``,
+    which overflows: ``0 * inf``, NaN.
+    """
+    difference, scale = primals
+    d_difference, d_scale = tangents
+    z = difference / scale
+    density = jnp.exp(-0.5 * jnp.square(z) - _HALF_LOG_TWO_PI)
+    value = _expected_abs(difference, scale)
+    return value, (2 * special.ndtr(z) - 1) * d_difference + 2 * density * d_scale
 
 
 def _crps_term(difference: jax.Array, scale: jax.Array | None) -> jax.Array:
@@ -296,12 +384,27 @@ def _crps_term(difference: jax.Array, scale: jax.Array | None) -> jax.Array:
     if scale is None:
         return jnp.abs(difference)
     positive = scale > 0
-    safe = jnp.where(positive, scale, 1.0)
-    z = difference / safe
-    value = difference * (2 * special.ndtr(z) - 1) + 2 * safe * jnp.exp(
-        -0.5 * jnp.square(z) - _HALF_LOG_TWO_PI
-    )
+    value = _expected_abs(difference, jnp.where(positive, scale, 1.0))
     return jnp.where(positive, value, jnp.abs(difference))
+
+
+@jax.custom_jvp
+def _hypot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``sqrt(a^2 + b^2)`` of positive ``a``, ``b`` without squaring them.
+
+    ``a^2`` of a valid 1e-20 is below float32's smallest normal number (XLA
+    may flush it to 0), and ``sqrt`` at 0 has no derivative; its derivative,
+    ``a / hypot``, is written out for the same reason.
+    """
+    big, small = jnp.maximum(a, b), jnp.minimum(a, b)
+    return big * jnp.sqrt(1 + jnp.square(small / big))
+
+
+@_hypot.defjvp
+def _hypot_jvp(primals, tangents):
+    a, b = primals
+    value = _hypot(a, b)
+    return value, (a * tangents[0] + b * tangents[1]) / value
 
 
 def mixture_crps(
@@ -317,7 +420,7 @@ def mixture_crps(
     to_target = jnp.mean(_crps_term(targets[None] - means, spread), axis=0)
     pair_scale = None
     if stds is not None:
-        pair_scale = jnp.sqrt(jnp.square(stds[:, None]) + jnp.square(stds[None, :]))
+        pair_scale = _hypot(stds[:, None], stds[None, :])
     between = _crps_term(means[:, None] - means[None, :], pair_scale)
     return to_target - 0.5 * jnp.mean(between, axis=(0, 1))
 

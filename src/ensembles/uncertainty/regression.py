@@ -368,6 +368,12 @@ def mixture_interval(
       TypeError: if an argument is not a real array.
     """
     level = reg.check_level(level)
-    levels = np.array([(1 - level) / 2, (1 + level) / 2])
-    bounds = mixture_quantile(means, stds, levels)
-    return bounds[0], bounds[1]
+    means, stds = _checked(means, stds)
+    return _interval(means, stds, level)
+
+
+@functools.partial(jax.jit, static_argnames="level")
+def _interval(means, stds, level):
+    means, stds, _, invalid = reg.split_invalid(means, stds)
+    lower, upper = reg.central_interval(means, stds, level)
+    return reg.poison(lower, invalid), reg.poison(upper, invalid)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -66,7 +67,15 @@ def _fit_std_scale(means, stds, targets, log_low, log_high, iterations):
         return jnp.where(rising, low, middle), jnp.where(rising, middle, high)
 
     low, high = jax.lax.fori_loop(0, iterations, bisect, (low, high))
-    return reg.poison_all(jnp.exp((low + high) / 2), invalid)
+    scale = jnp.exp((low + high) / 2)
+    # An NLL of +inf at the largest scale means some example's errors are so
+    # many standard deviations that (z / scale)^2 overflows for every member:
+    # that example's term, decreasing in the scale, outweighs every finite
+    # one, and the largest scale is the minimiser (the grid, all +inf, could
+    # not say so: its argmin is the first).
+    overflowed = jnp.isposinf(nlls[-1])
+    scale = jnp.where(overflowed, jnp.exp(jnp.asarray(log_high, dtype)), scale)
+    return reg.poison_all(scale, invalid)
 
 
 def _check_bounds(bounds: Any) -> tuple[float, float]:
@@ -128,8 +137,9 @@ def fit_std_scale(
 
     Returns:
       The scale, a positive scalar in the compute dtype (at least float32); a
-      value at a bound says the optimum lies at or beyond it. NaN if any entry
-      is invalid.
+      value at a bound says the optimum lies at or beyond it (outside
+      :func:`jax.jit`, a ``UserWarning`` says so too). NaN if any entry is
+      invalid.
 
     Raises:
       ValueError: if the shapes do not match, ``stds`` is ``None``, or
@@ -142,9 +152,30 @@ def fit_std_scale(
     targets = reg.check_targets(targets, means)
     low, high = _check_bounds(bounds)
     iterations = check_positive_int(iterations, "iterations")
-    return _fit_std_scale(
+    scale = _fit_std_scale(
         means, stds, targets, math.log(low), math.log(high), iterations
     )
+    _warn_at_bound(scale, low, high)
+    return scale
+
+
+def _warn_at_bound(scale: jax.Array, low: float, high: float) -> None:
+    """Warns, when the scale is known, that it ended at a bound of ``bounds``."""
+    try:
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
+        return  # under jax.jit: the docstring says what a bound means
+    for bound, side, fix in ((low, "lower", "lower"), (high, "upper", "raise")):
+        if math.isclose(value, bound, rel_tol=1e-4):
+            warnings.warn(
+                f"fit_std_scale ended at its {side} bound {bound:g}: the NLL's "
+                f"minimum lies at or beyond it, so the scale is not the "
+                f"optimum. {fix.capitalize()} that bound (`bounds=(low, high)`) "
+                f"to find it, or check the held-out data (the predicted "
+                f"spreads may be off by orders of magnitude).",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _check_positive_scalar(value: Any, name: str, dtype: Any, fix: str) -> jax.Array:
@@ -165,7 +196,14 @@ def _check_positive_scalar(value: Any, name: str, dtype: Any, fix: str) -> jax.A
         known = None
     if known is not None and not (0 < known < math.inf):
         raise ValueError(f"`{name}` must be positive and finite, got {known}: {fix}.")
-    return jnp.asarray(value).astype(dtype)
+    converted = jnp.asarray(value).astype(dtype)
+    if known is not None and not (0 < float(converted) < math.inf):
+        raise ValueError(
+            f"`{name}` (={known}) must be positive and finite in the dtype the "
+            f"members are computed in ({jnp.dtype(dtype).name}), where it is "
+            f"{float(converted)}: {fix}."
+        )
+    return converted
 
 
 @jax.jit
@@ -297,7 +335,11 @@ def fit_conformal_quantile(
 def _conformal_interval(means, stds, quantile):
     means, stds, _, invalid = reg.split_invalid(means, stds)
     mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    half = quantile * jnp.sqrt(aleatoric + epistemic)
+    # An infinite quantile (too few held-out examples for the level) gives
+    # unbounded intervals, members that agree (sd 0) too: not inf * 0.
+    half = jnp.where(
+        jnp.isposinf(quantile), jnp.inf, quantile * jnp.sqrt(aleatoric + epistemic)
+    )
     invalid = invalid | jnp.isnan(quantile) | (quantile < 0)
     return reg.poison(mean - half, invalid), reg.poison(mean + half, invalid)
 

@@ -299,16 +299,10 @@ def pit_calibration_error(
     return _pit_calibration_error(*_checked(means, stds, targets))
 
 
-def _interval(means, stds, level):
-    levels = jnp.array([(1 - level) / 2, (1 + level) / 2], means.dtype)
-    bounds = reg.mixture_quantiles(means, stds, levels)
-    return bounds[0], bounds[1]
-
-
 @functools.partial(jax.jit, static_argnames=("level", "part"))
 def _interval_metric(means, stds, targets, level, part):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    lower, upper = _interval(means, stds, level)
+    lower, upper = reg.central_interval(means, stds, level)
     if part == "coverage":
         value = jnp.mean(((targets >= lower) & (targets <= upper)).astype(lower.dtype))
     elif part == "width":

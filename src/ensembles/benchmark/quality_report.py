@@ -306,13 +306,13 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     The last row of each table names the best method of each column.
 
     >>> from ensembles.benchmark.quality_report import format_quality
-    >>> def row(method, nll):
+    >>> def row(method, nll, seed):
     ...     metrics = {"accuracy": 0.9, "nll": nll, "ece": 0.02, "brier": 0.1,
     ...                "aurc": 0.05}
     ...     measured = {"in_distribution": metrics,
     ...                 "shift": [{"severity": s, **metrics} for s in (1, 2)],
     ...                 "shift_mean": metrics}
-    ...     return {"method": method, "model": "cnn", "members": 4, "seed": 0,
+    ...     return {"method": method, "model": "cnn", "members": 4, "seed": seed,
     ...             "params": 10, "train_s": 1.0, **measured,
     ...             "ood": {"noise": {"auroc_entropy": 0.7,
     ...                               "auroc_mi": None if method == "single"
@@ -320,17 +320,17 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     ...                               "fpr95_mi": None if method == "single"
     ...                               else 0.4}},
     ...             "temperature": 1.0, "recalibrated": measured}
-    >>> rows = [row("single", 0.3), row("batchensemble", 0.2),
-    ...         row("deep_ensemble", 0.1)]
+    >>> rows = [row(method, nll, seed) for seed in (0, 1) for method, nll in
+    ...         (("single", 0.3), ("batchensemble", 0.2), ("deep_ensemble", 0.1))]
     >>> print(format_quality(rows, markdown=True))
-    **cnn on MNIST-1D, E=4, 1 seed**
+    **cnn on MNIST-1D, E=4, mean ± std over 2 seeds**
     <BLANKLINE>
     Recalibrated: every method at its own temperature T, fitted on held-out ...
     <BLANKLINE>
     | method | params | train s | T | acc | NLL | ECE | Brier | shift acc | ...
     |:---|---:|---:|...
-    | single | 10 | 1.0 | 1.000 | 0.900 | 0.300 | 0.020 | ...
-    | batchensemble | 10 | 1.0 | 1.000 | 0.900 | 0.200 | ...
+    | single | 10 | 1.0 | 1.000 ± 0.000 | 0.900 ± 0.000 | 0.300 ± 0.000 | ...
+    | batchensemble | 10 | 1.0 | 1.000 ± 0.000 | 0.900 ± 0.000 | 0.200 ± 0.000 | ...
     | deep_ensemble | ...
     | best | | | | (tie) | deep_ensemble | (tie) | ...
     <BLANKLINE>

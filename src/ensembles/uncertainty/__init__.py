@@ -68,7 +68,13 @@ Array([0.  , 0.69], dtype=float32)
 
 from __future__ import annotations
 
-from ensembles.uncertainty.calibration import fit_temperature, scale_temperature
+from ensembles.uncertainty.calibration import (
+    fit_member_temperatures,
+    fit_temperature,
+    scale_member_temperatures,
+    scale_temperature,
+)
+from ensembles.uncertainty.conformal import conformal_interval, fit_conformal_quantile
 from ensembles.uncertainty.metrics import (
     accuracy,
     adaptive_ece,
@@ -79,6 +85,7 @@ from ensembles.uncertainty.metrics import (
     nll,
 )
 from ensembles.uncertainty.ood import aupr, fpr_at_tpr
+from ensembles.uncertainty.perturbations import noisy_copies
 from ensembles.uncertainty.regression import (
     aleatoric_variance,
     epistemic_variance,
@@ -88,11 +95,12 @@ from ensembles.uncertainty.regression import (
     mixture_mean,
     mixture_quantile,
     mixture_variance,
+    pairwise_gaussian_kl,
 )
 from ensembles.uncertainty.regression_calibration import (
-    conformal_interval,
-    fit_conformal_quantile,
+    fit_member_std_scales,
     fit_std_scale,
+    scale_member_stds,
     scale_std,
 )
 from ensembles.uncertainty.regression_scores import (
@@ -111,6 +119,8 @@ from ensembles.uncertainty.scores import (
     disagreement,
     expected_entropy,
     mutual_information,
+    pairwise_disagreement,
+    pairwise_kl,
     predictive_probs,
     total_entropy,
     variance,
@@ -133,6 +143,8 @@ __all__ = [
     "epistemic_variance",
     "expected_entropy",
     "fit_conformal_quantile",
+    "fit_member_std_scales",
+    "fit_member_temperatures",
     "fit_std_scale",
     "fit_temperature",
     "fpr_at_tpr",
@@ -151,9 +163,15 @@ __all__ = [
     "moment_matched_nll",
     "mutual_information",
     "nll",
+    "noisy_copies",
+    "pairwise_disagreement",
+    "pairwise_gaussian_kl",
+    "pairwise_kl",
     "pit_calibration_error",
     "predictive_probs",
     "rmse",
+    "scale_member_stds",
+    "scale_member_temperatures",
     "scale_std",
     "scale_temperature",
     "spread_error_correlation",

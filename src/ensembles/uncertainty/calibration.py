@@ -17,8 +17,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ensembles._checks import check_array, check_positive_int, check_real
+from ensembles._checks import as_array, check_array, check_positive_int, check_real
 from ensembles.uncertainty._common import (
     _check_labels,
     _check_logits,
@@ -30,24 +31,31 @@ from ensembles.uncertainty._common import (
     _split_invalid_labeled,
 )
 
-__all__ = ["fit_temperature", "scale_temperature"]
+__all__ = [
+    "fit_member_temperatures",
+    "fit_temperature",
+    "scale_member_temperatures",
+    "scale_temperature",
+]
 
 
-@functools.partial(jax.jit, static_argnames=("iterations",))
-def _fit_temperature(logits, labels, log_b_low, log_b_high, iterations):
-    logits, labels, invalid = _split_invalid_labeled(logits, labels)
-    log_probs = _predictive_log_probs(_member_log_probs(logits))  # [B, C]
-    possible = log_probs > -jnp.inf  # classes the predictive rules out stay out
+def _bisect_temperatures(log_probs, labels, log_b_low, log_b_high, iterations):
+    """Temperatures ``[...]`` minimising the NLL of ``log_probs`` ``[..., B, C]``.
+
+    One fit per leading index (the pooled predictive, or each member).
+    """
+    possible = log_probs > -jnp.inf  # classes ruled out stay out
     z = jnp.where(possible, log_probs, 0.0)
-    z_label = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
-    label_possible = jnp.take_along_axis(possible, labels[:, None], axis=-1)[:, 0]
+    index = jnp.broadcast_to(labels[:, None], (*z.shape[:-1], 1))
+    z_label = jnp.take_along_axis(z, index, axis=-1)[..., 0]
+    label_possible = jnp.take_along_axis(possible, index, axis=-1)[..., 0]
     # NLL(b) = mean(logsumexp(b z) - b z_label) is convex in b = 1/T; its slope
     # mean(E_softmax(b z)[z] - z_label) increases with b: bisect its zero in log b.
 
     def slope(log_b):
-        scaled = jnp.where(possible, jnp.exp(log_b) * z, -jnp.inf)
+        scaled = jnp.where(possible, jnp.exp(log_b)[..., None, None] * z, -jnp.inf)
         expected = jnp.sum(jax.nn.softmax(scaled, axis=-1) * z, axis=-1)
-        return jnp.mean(expected - z_label)
+        return jnp.mean(expected - z_label, axis=-1)
 
     def step(_, bounds):
         low, high = bounds
@@ -56,15 +64,27 @@ def _fit_temperature(logits, labels, log_b_low, log_b_high, iterations):
         return jnp.where(rising, low, middle), jnp.where(rising, middle, high)
 
     dtype = log_probs.dtype  # float32, or float64 under x64 for float64 logits
+    shape = log_probs.shape[:-2]
     low, high = jax.lax.fori_loop(
         0,
         iterations,
         step,
-        (jnp.asarray(log_b_low, dtype), jnp.asarray(log_b_high, dtype)),
+        (jnp.full(shape, log_b_low, dtype), jnp.full(shape, log_b_high, dtype)),
     )
-    temperature = jnp.exp(-(low + high) / 2)
-    # A label every member rules out has an infinite NLL at every temperature.
-    return _poison_all(temperature, invalid | ~label_possible)
+    # A label ruled out has an infinite NLL at every temperature: NaN.
+    return jnp.where(
+        jnp.all(label_possible, axis=-1), jnp.exp(-(low + high) / 2), jnp.nan
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("iterations",))
+def _fit_temperature(logits, labels, log_b_low, log_b_high, iterations):
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    log_probs = _predictive_log_probs(_member_log_probs(logits))  # [B, C]
+    temperature = _bisect_temperatures(
+        log_probs[None], labels, log_b_low, log_b_high, iterations
+    )[0]
+    return _poison_all(temperature, invalid)
 
 
 def fit_temperature(
@@ -121,6 +141,11 @@ def fit_temperature(
     """
     logits = _check_logits(logits)
     labels = _check_labels(labels, logits)
+    return _fit_temperature(logits, labels, *_fit_options(bounds, iterations))
+
+
+def _fit_options(bounds, iterations) -> tuple[float, float, int]:
+    """The bisection's ends in ``log(1/T)`` (in float64 here), and its steps."""
     if not isinstance(bounds, tuple | list) or len(bounds) != 2:
         raise ValueError(
             f"`bounds` must be two temperatures (low, high), got {bounds!r}: "
@@ -133,10 +158,136 @@ def fit_temperature(
             f"{tuple(bounds)!r}: e.g. bounds=(0.05, 20.0)."
         )
     iterations = check_positive_int(iterations, "iterations")
-    # Bisection in log(1/T), its ends taken in float64 here.
-    return _fit_temperature(
-        logits, labels, -math.log(highest), -math.log(lowest), iterations
+    return -math.log(highest), -math.log(lowest), iterations
+
+
+@functools.partial(jax.jit, static_argnames=("iterations",))
+def _fit_member_temperatures(logits, labels, log_b_low, log_b_high, iterations):
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    temperatures = _bisect_temperatures(
+        _member_log_probs(logits), labels, log_b_low, log_b_high, iterations
     )
+    return _poison_all(temperatures, invalid)
+
+
+def fit_member_temperatures(
+    logits: jax.Array,
+    labels: jax.Array,
+    *,
+    bounds: tuple[float, float] = (0.05, 20.0),
+    iterations: int = 40,
+) -> jax.Array:
+    """One temperature per member, each minimising that member's own NLL.
+
+    Calibrate, then pool: each member's softmax is rescaled on its own
+    (:func:`scale_member_temperatures`) and the ensemble is the mean of the
+    rescaled members, where :func:`fit_temperature` rescales the pooled
+    predictive. The mean of calibrated members tends to be underconfident
+    (Rahaman & Thiery, 2021), and the members' disagreement survives the
+    rescaling; ``docs/training.md`` measures both orders under shift.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1]] * 4, [[0.6, 0.4]] * 4]))
+    >>> labels = jnp.array([0, 0, 0, 1])  # the first class is right 3 in 4
+    >>> temperatures = uncertainty.fit_member_temperatures(logits, labels)
+    >>> [round(t, 3) for t in temperatures.tolist()]
+    [2.0, 0.369]
+
+    Args:
+      logits: member logits ``[E, B, C]``.
+      labels: integer class indices ``[B]`` in ``[0, C)``.
+      bounds: the lowest and highest temperatures considered, ``1e-30 <=
+        low < high <= 1e30``.
+      iterations: bisection steps; static under :func:`jax.jit`.
+
+    Returns:
+      ``[E]`` temperatures (``> 1``: that member was overconfident); NaN
+      where :func:`fit_temperature` would be.
+
+    Raises:
+      ValueError: as :func:`fit_temperature`.
+      TypeError: as :func:`fit_temperature`.
+    """
+    logits = _check_logits(logits)
+    labels = _check_labels(labels, logits)
+    return _fit_member_temperatures(logits, labels, *_fit_options(bounds, iterations))
+
+
+@jax.jit
+def _scale_member_temperatures(logits, temperatures):
+    logits, invalid = _split_invalid(logits)
+    log_probs = _member_log_probs(logits)
+    bad = ~(jnp.isfinite(temperatures) & (temperatures > 0))
+    temperatures = jnp.where(bad, 1.0, temperatures).astype(log_probs.dtype)
+    possible = log_probs > -jnp.inf
+    scaled = jnp.where(
+        possible,
+        jnp.where(possible, log_probs, 0.0) / temperatures[:, None, None],
+        -jnp.inf,
+    )
+    scaled = jax.nn.log_softmax(scaled, axis=-1)
+    return jnp.where(jnp.any(bad) | invalid[None, :, None], jnp.nan, scaled)
+
+
+def scale_member_temperatures(logits: jax.Array, temperatures: jax.Array) -> jax.Array:
+    """Each member's softmax at its own temperature: member log-probs ``[E, B, C]``.
+
+    ``log_softmax(log_softmax(logits_k) / T_k)``; every function of
+    :mod:`ensembles.uncertainty` takes the result as member logits and pools
+    them (their disagreement is kept: :func:`mutual_information` of the
+    result is that of the rescaled members).
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1]], [[0.6, 0.4]]]))
+    >>> scaled = uncertainty.scale_member_temperatures(logits, jnp.array([1.0, 0.5]))
+    >>> [[round(p, 3) for p in row] for row in jnp.exp(scaled)[:, 0].tolist()]
+    [[0.9, 0.1], [0.692, 0.308]]
+
+    Args:
+      logits: member logits ``[E, B, C]``.
+      temperatures: ``[E]`` positive temperatures, e.g. from
+        :func:`fit_member_temperatures`.
+
+    Returns:
+      ``[E, B, C]`` log-probabilities in at least float32; NaN for examples
+      with invalid logits, and all NaN for a temperature that is not positive
+      and finite under :func:`jax.jit`.
+
+    Raises:
+      ValueError: if ``temperatures`` is not ``[E]``, or (when known) one is
+        not positive and finite in the compute dtype.
+      TypeError: if ``logits`` is not floating-point or ``temperatures`` not
+        real numbers.
+    """
+    logits = _check_logits(logits)
+    temperatures = as_array(temperatures, "temperatures", what="positive numbers")
+    if tuple(temperatures.shape) != (logits.shape[0],):
+        raise ValueError(
+            f"`temperatures` must have shape [E] = ({logits.shape[0]},), one per "
+            f"member, got shape {tuple(temperatures.shape)}: fit them with "
+            f"`uncertainty.fit_member_temperatures`."
+        )
+    if temperatures.dtype == jnp.bool_ or not (
+        jnp.issubdtype(temperatures.dtype, jnp.floating)
+        or jnp.issubdtype(temperatures.dtype, jnp.integer)
+    ):
+        raise TypeError(
+            f"`temperatures` must be real numbers, got dtype {temperatures.dtype}."
+        )
+    compute = jnp.promote_types(logits.dtype, jnp.float32)
+    converted = temperatures.astype(compute)
+    try:
+        values = np.asarray(converted, np.float64)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        values = None
+    if values is not None and not ((values > 0) & np.isfinite(values)).all():
+        raise ValueError(
+            f"`temperatures` must be positive and finite in {compute.name}, got "
+            f"{values.tolist()}: fit them with `uncertainty.fit_member_temperatures`."
+        )
+    return _scale_member_temperatures(logits, converted)
 
 
 @jax.jit

@@ -61,6 +61,7 @@ __all__ = [
     "mixture_mean",
     "mixture_quantile",
     "mixture_variance",
+    "pairwise_gaussian_kl",
 ]
 
 
@@ -185,6 +186,52 @@ def epistemic_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.A
       TypeError: if they are not floating-point arrays.
     """
     return _moment(*_checked(means, stds), part="epistemic")
+
+
+@jax.jit
+def _pairwise_gaussian_kl(means, stds):
+    means, stds, _, invalid = reg.split_invalid(means, stds)
+    num_members = means.shape[0]
+    # KL(N_k || N_l) = log(s_l / s_k) + (s_k^2 + (m_k - m_l)^2) / (2 s_l^2) - 1/2,
+    # with the ratios formed before squaring (tiny valid stds stay finite).
+    ratio = stds[:, None] / stds[None, :]  # s_k / s_l, [E, E, B(, D)]
+    gap = (means[:, None] - means[None, :]) / stds[None, :]
+    kl = -jnp.log(ratio) + 0.5 * (jnp.square(ratio) + jnp.square(gap)) - 0.5
+    if kl.ndim == 4:  # the D outputs of a member are independent: KLs add
+        kl = jnp.sum(kl, axis=-1)
+    pairs = max(num_members * (num_members - 1), 1)
+    return reg.poison(jnp.sum(kl, axis=(0, 1)) / pairs, reg.example_invalid(invalid))
+
+
+def pairwise_gaussian_kl(means: jax.Array, stds: jax.Array) -> jax.Array:
+    """Mean KL divergence between Gaussian members: their diversity in nats.
+
+    ``1 / (E (E - 1)) sum_{k != l} KL(N_k || N_l)`` over ordered pairs, each
+    member's D outputs independent Gaussians (their KLs add). It grows with
+    the members' disagreement relative to their spreads, where
+    :func:`epistemic_variance` is in the targets' units.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> means, stds = jnp.array([[0.0], [1.0]]), jnp.ones((2, 1))
+    >>> uncertainty.pairwise_gaussian_kl(means, stds)  # (1 - 0)^2 / 2 each way
+    Array([0.5], dtype=float32)
+
+    Args:
+      means: the members' means, ``[E, B]`` or ``[E, B, D]``.
+      stds: their standard deviations (point members have no density).
+
+    Returns:
+      ``[B]`` non-negative divergences (0 for one member); NaN for invalid
+      examples.
+
+    Raises:
+      ValueError: if the shapes do not match, or ``stds`` is ``None``.
+      TypeError: if an argument is not a real array.
+    """
+    means, stds = _checked(means, stds)
+    reg.check_point_members(stds, "pairwise_gaussian_kl")
+    return _pairwise_gaussian_kl(means, stds)
 
 
 @jax.jit

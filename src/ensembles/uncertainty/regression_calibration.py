@@ -10,11 +10,9 @@ mixture keeps its shape: every member's standard deviation and every
 member's distance from the mixture mean are scaled alike, so aleatoric and
 epistemic variance both scale by ``s^2``.
 
-:func:`fit_conformal_quantile` and :func:`conformal_interval` give
-split-conformal intervals (Lei et al., 2018) with the normalised score
-``|y - mu| / sd``: on held-out examples exchangeable with the test examples
-they cover at least ``level`` of them whatever the model, a guarantee that
-does not survive a shift (``docs/regression.md`` measures by how much).
+:func:`fit_member_std_scales` and :func:`scale_member_stds` calibrate each
+member on its own before the mixture pools them. Split-conformal intervals
+are in :mod:`ensembles.uncertainty.conformal`.
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ from ensembles._checks import check_array, check_positive_int, check_real
 from ensembles.uncertainty import _regression as reg
 
 __all__ = [
-    "conformal_interval",
-    "fit_conformal_quantile",
+    "fit_member_std_scales",
     "fit_std_scale",
+    "scale_member_stds",
     "scale_std",
 ]
 
@@ -207,6 +205,122 @@ def _check_positive_scalar(value: Any, name: str, dtype: Any, fix: str) -> jax.A
 
 
 @jax.jit
+def _fit_member_std_scales(means, stds, targets, low, high):
+    means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
+    z = (targets[None] - means) / stds  # [E, B(, D)]
+    axes = tuple(range(1, z.ndim))
+    # A member's Gaussian NLL in its scale s: mean(log s + z^2 / (2 s^2)) + c,
+    # least at s^2 = mean(z^2); clipped to the bounds, as the pooled fit is.
+    scales = jnp.sqrt(jnp.mean(jnp.square(z), axis=axes))
+    return reg.poison_all(jnp.clip(scales, low, high), invalid)
+
+
+def fit_member_std_scales(
+    means: jax.Array,
+    stds: jax.Array,
+    targets: jax.Array,
+    *,
+    bounds: tuple[float, float] = (0.05, 20.0),
+) -> jax.Array:
+    """One scale per member, each minimising that member's own Gaussian NLL.
+
+    Calibrate, then pool: member ``k``'s standard deviations are scaled by
+    ``s_k`` (:func:`scale_member_stds`), its mean kept, and the ensemble is
+    the mixture of the rescaled members, where :func:`fit_std_scale`
+    stretches the whole mixture about its mean. ``s_k^2 = mean(((y -
+    mu_k) / sigma_k)^2)`` exactly (over the D outputs too), clipped to
+    ``bounds``. The mixture of calibrated members is wider than each (their
+    disagreement adds to their spread): underconfident where they disagree.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> means, stds = jnp.zeros((2, 4)), jnp.array([[1.0] * 4, [0.5] * 4])
+    >>> targets = jnp.array([1.0, -1.0, 1.0, -1.0])  # |z| = 1 and 2
+    >>> uncertainty.fit_member_std_scales(means, stds, targets)
+    Array([1., 2.], dtype=float32)
+
+    Args:
+      means: the members' means, ``[E, B]`` or ``[E, B, D]``.
+      stds: their standard deviations (point members have no density).
+      targets: ``[B]`` or ``[B, D]``.
+      bounds: the smallest and largest scales, ``1e-30 <= low < high <=
+        1e30``.
+
+    Returns:
+      ``[E]`` scales in the compute dtype; NaN if any entry is invalid.
+
+    Raises:
+      ValueError: if the shapes do not match, ``stds`` is ``None``, or
+        ``bounds`` are out of range.
+      TypeError: if an argument is not a real array.
+    """
+    means = reg.check_means(means)
+    stds = reg.check_stds(stds, means)
+    reg.check_point_members(stds, "fit_member_std_scales")
+    targets = reg.check_targets(targets, means)
+    low, high = _check_bounds(bounds)
+    return _fit_member_std_scales(means, stds, targets, low, high)
+
+
+@jax.jit
+def _scale_member_stds(means, stds, scales):
+    means, stds, _, invalid = reg.split_invalid(means, stds)
+    bad = ~(jnp.isfinite(scales) & (scales > 0))
+    scaled = stds * scales.reshape((-1,) + (1,) * (stds.ndim - 1))
+    invalid = invalid | jnp.any(bad)
+    return reg.poison(means, invalid[None]), reg.poison(scaled, invalid[None])
+
+
+def scale_member_stds(
+    means: jax.Array, stds: jax.Array, scales: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Each member's standard deviations times its own scale; means kept.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> means, stds = jnp.zeros((2, 1)), jnp.ones((2, 1))
+    >>> uncertainty.scale_member_stds(means, stds, jnp.array([1.0, 3.0]))[1][:, 0]
+    Array([1., 3.], dtype=float32)
+
+    Args:
+      means: the members' means, ``[E, B]`` or ``[E, B, D]``.
+      stds: their standard deviations.
+      scales: ``[E]`` positive scales, e.g. from :func:`fit_member_std_scales`.
+
+    Returns:
+      ``(means, stds)`` in the compute dtype; NaN for invalid entries, and all
+      NaN for a scale that is not positive and finite under :func:`jax.jit`.
+
+    Raises:
+      ValueError: if ``scales`` is not ``[E]``, ``stds`` is ``None``, or (when
+        known) a scale is not positive and finite in the compute dtype.
+      TypeError: if an argument is not a real array.
+    """
+    means = reg.check_means(means)
+    stds = reg.check_stds(stds, means)
+    reg.check_point_members(stds, "scale_member_stds")
+    dtype = reg.compute_dtype(means, stds)
+    scales = check_array(scales, "scales", what="positive numbers")
+    if jnp.shape(scales) != (means.shape[0],):
+        raise ValueError(
+            f"`scales` must have shape [E] = ({means.shape[0]},), one per member, "
+            f"got shape {jnp.shape(scales)}: fit them with "
+            f"`uncertainty.fit_member_std_scales`."
+        )
+    converted = jnp.asarray(scales).astype(dtype)
+    try:
+        values = [float(v) for v in converted]
+    except (jax.errors.ConcretizationTypeError, TypeError):
+        values = None
+    if values is not None and not all(0 < v < math.inf for v in values):
+        raise ValueError(
+            f"`scales` must be positive and finite in {jnp.dtype(dtype).name}, got "
+            f"{values}: fit them with `uncertainty.fit_member_std_scales`."
+        )
+    return _scale_member_stds(means, stds, converted)
+
+
+@jax.jit
 def _scale_std(means, stds, scale):
     means, stds, _, invalid = reg.split_invalid(means, stds)
     bad = ~(jnp.isfinite(scale) & (scale > 0))
@@ -266,129 +380,3 @@ def scale_std(
         "fit it with `uncertainty.fit_std_scale` on held-out data",
     )
     return _scale_std(means, stds, scale)
-
-
-@functools.partial(jax.jit, static_argnames="level")
-def _fit_conformal_quantile(means, stds, targets, level):
-    means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    sd = jnp.sqrt(aleatoric + epistemic)
-    error = jnp.abs(targets - mean)
-    score = jnp.where(
-        sd > 0, error / jnp.where(sd > 0, sd, 1.0), jnp.where(error > 0, jnp.inf, 0.0)
-    ).reshape(-1)
-    count = score.shape[0]
-    rank = math.ceil((count + 1) * level)  # the finite-sample correction
-    if rank > count:
-        quantile = jnp.asarray(jnp.inf, score.dtype)
-    else:
-        quantile = jnp.sort(score)[rank - 1]
-    return reg.poison_all(quantile, invalid)
-
-
-def fit_conformal_quantile(
-    means: jax.Array, stds: jax.Array | None, targets: jax.Array, level: float = 0.9
-) -> jax.Array:
-    """The split-conformal quantile of the normalised errors ``|y - mu| / sd``.
-
-    On ``n`` held-out entries (``B`` examples times ``D`` outputs, pooled),
-    the ``ceil((n + 1) level)``-th smallest score, ``mu`` the mixture mean and
-    ``sd`` its standard deviation (:func:`mixture_variance`; for point members
-    their disagreement). :func:`conformal_interval` turns it into intervals
-    ``mu +- q sd`` that cover at least ``level`` of new examples exchangeable
-    with the held-out ones (Lei et al., 2018; the normalised score of
-    Papadopoulos et al., 2008). ``inf`` where ``n`` is too small for the
-    level (``(n + 1) level > n``).
-
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> from ensembles import uncertainty
-    >>> keys = jax.random.split(jax.random.key(0), 2)
-    >>> targets = jax.random.normal(keys[0], (9999,))
-    >>> means, stds = jnp.zeros((2, 9999)), jnp.ones((2, 9999))
-    >>> q = uncertainty.fit_conformal_quantile(means, stds, targets, level=0.9)
-    >>> abs(float(q) - 1.645) < 0.05  # the Gaussian's 90% quantile of |z|
-    True
-
-    Args:
-      means: the members' means, ``[E, B]`` or ``[E, B, D]``.
-      stds: their standard deviations, or ``None`` (point members).
-      targets: ``[B]`` or ``[B, D]``.
-      level: the coverage to guarantee, in ``(0, 1)``.
-
-    Returns:
-      The quantile ``q``, a non-negative scalar (``inf`` as above); NaN if
-      any entry is invalid.
-
-    Raises:
-      ValueError: if the shapes do not match or ``level`` is not in ``(0, 1)``.
-      TypeError: if an argument is not a real array.
-    """
-    level = reg.check_level(level)
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    targets = reg.check_targets(targets, means)
-    return _fit_conformal_quantile(means, stds, targets, level)
-
-
-@jax.jit
-def _conformal_interval(means, stds, quantile):
-    means, stds, _, invalid = reg.split_invalid(means, stds)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    # An infinite quantile (too few held-out examples for the level) gives
-    # unbounded intervals, members that agree (sd 0) too: not inf * 0.
-    half = jnp.where(
-        jnp.isposinf(quantile), jnp.inf, quantile * jnp.sqrt(aleatoric + epistemic)
-    )
-    invalid = invalid | jnp.isnan(quantile) | (quantile < 0)
-    return reg.poison(mean - half, invalid), reg.poison(mean + half, invalid)
-
-
-def conformal_interval(
-    means: jax.Array, stds: jax.Array | None, quantile: float | jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Split-conformal intervals ``mu +- quantile * sd`` around the mixture mean.
-
-    ``quantile`` comes from :func:`fit_conformal_quantile` on held-out
-    examples; ``sd`` is the mixture's standard deviation.
-
-    >>> import jax.numpy as jnp
-    >>> from ensembles import uncertainty
-    >>> means, stds = jnp.array([[0.0], [2.0]]), jnp.array([[1.0], [1.0]])
-    >>> lower, upper = uncertainty.conformal_interval(means, stds, 2.0)
-    >>> float(lower[0]), float(upper[0])  # 1 +- 2 sqrt(2)
-    (-1.828427..., 3.828427...)
-
-    Args:
-      means: the members' means, ``[E, B]`` or ``[E, B, D]``.
-      stds: their standard deviations, or ``None`` (point members).
-      quantile: a non-negative scalar (``inf`` gives unbounded intervals).
-
-    Returns:
-      ``(lower, upper)``, each ``[B]`` or ``[B, D]``; NaN for invalid entries
-      (all of them for a NaN or negative quantile under :func:`jax.jit`).
-
-    Raises:
-      ValueError: if the shapes do not match, or ``quantile`` is not a scalar
-        or (when known) negative or NaN.
-      TypeError: if an argument is not a real array.
-    """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    value = check_array(quantile, "quantile", what="a non-negative number")
-    if jnp.shape(value) != ():
-        raise ValueError(
-            f"`quantile` must be a scalar, got shape {jnp.shape(value)}: pass the "
-            f"one number `fit_conformal_quantile` returns."
-        )
-    try:
-        known = float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        known = None
-    if known is not None and not known >= 0:
-        raise ValueError(
-            f"`quantile` must be non-negative, got {known}: fit it with "
-            f"`uncertainty.fit_conformal_quantile` on held-out data."
-        )
-    dtype = reg.compute_dtype(means, stds)
-    return _conformal_interval(means, stds, jnp.asarray(value).astype(dtype))

@@ -24,6 +24,8 @@ __all__ = [
     "disagreement",
     "expected_entropy",
     "mutual_information",
+    "pairwise_disagreement",
+    "pairwise_kl",
     "predictive_probs",
     "total_entropy",
     "variance",
@@ -204,6 +206,87 @@ def disagreement(logits: jax.Array) -> jax.Array:
       TypeError: if ``logits`` is not floating-point.
     """
     return _disagreement(_check_logits(logits))
+
+
+@jax.jit
+def _pairwise_disagreement(logits: jax.Array) -> jax.Array:
+    logits, invalid = _split_invalid(logits)
+    member_class = jnp.argmax(_member_probs(logits), axis=-1)  # [E, B]
+    num_members = logits.shape[0]
+    differs = member_class[:, None] != member_class[None, :]  # [E, E, B]
+    pairs = max(num_members * (num_members - 1), 1)
+    share = jnp.sum(differs.astype(jnp.float32), axis=(0, 1)) / pairs
+    return _poison(share.astype(_member_probs(logits).dtype), invalid)
+
+
+def pairwise_disagreement(logits: jax.Array) -> jax.Array:
+    """Share of member pairs whose predicted classes differ: members' diversity.
+
+    Over the ``E (E - 1) / 2`` pairs of members, the share that rank a
+    different class first (ties to the lower index); unlike
+    :func:`disagreement`, no ensemble prediction takes part.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.array([[[2.0, 0.0]], [[3.0, 0.0]], [[0.0, 1.0]]])  # E=3, B=1
+    >>> uncertainty.pairwise_disagreement(logits)  # 2 of the 3 pairs differ
+    Array([0.6666667], dtype=float32)
+
+    Args:
+      logits: member logits of shape ``[E, B, C]``.
+
+    Returns:
+      ``[B]`` shares in ``[0, 1]`` (0 for one member); NaN for an example
+      with invalid logits.
+
+    Raises:
+      ValueError: if ``logits`` is not 3-D or has an empty axis.
+      TypeError: if ``logits`` is not floating-point.
+    """
+    return _pairwise_disagreement(_check_logits(logits))
+
+
+@jax.jit
+def _pairwise_kl(logits: jax.Array) -> jax.Array:
+    logits, invalid = _split_invalid(logits)
+    log_probs = _member_log_probs(logits)  # [E, B, C]
+    probs = jnp.exp(log_probs)
+    num_members = logits.shape[0]
+    # KL(p_k || p_l) = sum_c p_k (log p_k - log p_l); 0 log 0 counts as 0.
+    own = jnp.where(probs > 0, probs * log_probs, 0.0)  # [E, B, C]
+    cross = jnp.where(
+        probs[:, None] > 0, probs[:, None] * log_probs[None, :], 0.0
+    )  # [E, E, B, C]: p_k log p_l
+    kl = jnp.sum(own[:, None] - cross, axis=-1)  # [E, E, B]
+    pairs = max(num_members * (num_members - 1), 1)
+    return _poison(jnp.sum(kl, axis=(0, 1)) / pairs, invalid)
+
+
+def pairwise_kl(logits: jax.Array) -> jax.Array:
+    """Mean KL divergence between members' predictions: their diversity in nats.
+
+    ``1 / (E (E - 1)) sum_{k != l} KL(p_k || p_l)`` over the ordered pairs
+    of members. Infinite where a member gives probability to a class another
+    rules out.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.5]], [[0.9, 0.1]]]))
+    >>> uncertainty.pairwise_kl(logits).round(3)  # (KL(a||b) + KL(b||a)) / 2
+    Array([0.439], dtype=float32)
+
+    Args:
+      logits: member logits of shape ``[E, B, C]``.
+
+    Returns:
+      ``[B]`` non-negative divergences in nats (0 for one member); NaN for an
+      example with invalid logits.
+
+    Raises:
+      ValueError: if ``logits`` is not 3-D or has an empty axis.
+      TypeError: if ``logits`` is not floating-point.
+    """
+    return _pairwise_kl(_check_logits(logits))
 
 
 @jax.jit

@@ -105,9 +105,10 @@ def noisy_copies(
     dtype = jnp.promote_types(inputs.dtype, jnp.float32)
     inputs = inputs.astype(dtype)
     keys = jax.random.split(key, len(values))
+    # Broadcast explicitly: one example's scale against every row.
+    noise_scale = jnp.broadcast_to(scale.astype(dtype), inputs.shape)
     copies = [inputs] + [
-        inputs
-        + strength * scale.astype(dtype) * jax.random.normal(k, inputs.shape, dtype)
+        inputs + strength * noise_scale * jax.random.normal(k, inputs.shape, dtype)
         for strength, k in zip(values, keys, strict=True)
     ]
     return jnp.concatenate(copies), jnp.concatenate([targets] * len(copies))

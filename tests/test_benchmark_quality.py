@@ -14,6 +14,7 @@ import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
 from ensembles.benchmark.quality import METRICS, evaluate, split_validation
+from ensembles.benchmark.quality_calibration import noisy_validation
 from ensembles.benchmark.quality_data import (
     SEVERITIES,
     SHIFTS,
@@ -427,12 +428,23 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
     assert held <= train_rows and not held & test_rows
     for x in trained_on:  # no method saw a validation example
         assert len(x) == 100 and not {row.tobytes() for row in x} & held
-    assert len(fitted) == len(predicted) == 2
-    for (logits, labels), predict in zip(fitted, predicted, strict=True):
+    # Per method: the temperature on the held-out rows, then the one on them
+    # and their noisy copies (noise scaled by the training inputs' std alone).
+    assert len(fitted) == 2 * len(predicted) == 4
+    x_noisy, y_noisy = noisy_validation(data.x_train, x_valid, y_valid)
+    for i, predict in enumerate(predicted):
+        (logits, labels), (noisy_logits, noisy_labels) = fitted[2 * i : 2 * i + 2]
         np.testing.assert_array_equal(labels, y_valid)
         np.testing.assert_array_equal(logits, np.asarray(predict(x_valid)))
-    for row, (logits, labels) in zip(rows, fitted, strict=True):
+        np.testing.assert_array_equal(noisy_labels, y_noisy)
+        np.testing.assert_allclose(
+            noisy_logits, np.asarray(predict(np.asarray(x_noisy))), rtol=1e-6
+        )
+        row = rows[i]
         assert row["temperature"] == pytest.approx(float(original_fit(logits, labels)))
+        assert row["calibrations"]["pooled_noisy"]["temperature"] == pytest.approx(
+            float(original_fit(noisy_logits, noisy_labels))
+        )
 
 
 def test_a_validation_set_of_your_own_is_kept(data):

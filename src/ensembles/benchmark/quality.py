@@ -31,6 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles import uncertainty
+from ensembles.benchmark.quality_calibration import (
+    CALIBRATIONS,
+    cached,
+    calibrate_classifier,
+    diversity,
+)
 from ensembles.benchmark.quality_checks import check_run
 from ensembles.benchmark.quality_data import QualityData, load_quality_data
 from ensembles.benchmark.quality_methods import (
@@ -265,7 +271,8 @@ def evaluate(
       or infinity (training diverged): no temperature is fitted, its
       recalibrated figures are NaN, and the other methods' rows stand.
     """
-    valid = trained.predict(x_valid)
+    predict = cached(trained.predict)  # every calibration measures the same logits
+    valid = predict(x_valid)
     diverged = not bool(jnp.isfinite(valid).all())
     temperature = math.nan
     if not diverged:
@@ -274,7 +281,8 @@ def evaluate(
                 valid, np.asarray(y_valid), bounds=TEMPERATURE_BOUNDS
             )
         )
-    result = _measure_sets(trained.predict, data, mutual_information=True)
+    result = _measure_sets(predict, data, mutual_information=True)
+    result["diversity"] = diversity(predict, _diversity_sets(data), regression=False)
     result["temperature"] = temperature
     # At a bound the validation set did not identify T (no errors on it, say).
     result["temperature_at_bound"] = any(
@@ -284,13 +292,37 @@ def evaluate(
     if diverged:
         as_trained = {k: v for k, v in result.items() if k in _MEASURED}
         result["recalibrated"] = nan_like(as_trained)
+        result["calibrations"] = {
+            name: nan_like({"temperature": 0, **_in_and_shift(as_trained)})
+            for name in CALIBRATIONS
+        }
         return result
 
     def recalibrated(x: np.ndarray) -> jax.Array:
-        return uncertainty.scale_temperature(trained.predict(x), temperature)
+        return uncertainty.scale_temperature(predict(x), temperature)
 
     result["recalibrated"] = _measure_sets(recalibrated, data, mutual_information=False)
+
+    def measure(transform):
+        return _in_and_shift(
+            _measure_sets(
+                lambda x: transform(predict(x)), data, mutual_information=False
+            )
+        )
+
+    result["calibrations"] = calibrate_classifier(
+        predict, measure, data.x_train, x_valid, y_valid, TEMPERATURE_BOUNDS
+    )
     return result
+
+
+def _in_and_shift(measured: dict[str, Any]) -> dict[str, Any]:
+    return {key: measured[key] for key in ("in_distribution", "shift_mean")}
+
+
+def _diversity_sets(data: QualityData) -> dict[str, list[np.ndarray]]:
+    shifted = [x for families in data.shifted.values() for x, _ in families.values()]
+    return {"in_distribution": [data.x_test], "shift_mean": shifted}
 
 
 def run_quality(

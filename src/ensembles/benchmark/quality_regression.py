@@ -26,6 +26,12 @@ import numpy as np
 
 from ensembles import training, uncertainty
 from ensembles._checks import as_real_array
+from ensembles.benchmark.quality_calibration import (
+    CALIBRATIONS,
+    cached,
+    calibrate_regressor,
+    diversity,
+)
 from ensembles.benchmark.quality_data import QualityData
 from ensembles.benchmark.quality_methods import MIN_STD, Trained
 from ensembles.benchmark.quality_training import gaussian_pairs
@@ -295,9 +301,10 @@ def evaluate_regression(
       other methods' stand.
     """
 
-    def predict(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    def predict_members(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return scale.members(trained.predict(x))
 
+    predict = cached(predict_members)  # every calibration measures the same
     valid = predict(x_valid)
     diverged = not all(np.isfinite(np.asarray(a)).all() for a in valid)
     std_scale = conformal = math.nan
@@ -313,6 +320,10 @@ def evaluate_regression(
             uncertainty.fit_conformal_quantile(*valid, np.asarray(y_valid), _LEVEL)
         )
     result = _measure_sets(predict, data, None if diverged else conformal, ood=True)
+    shifted = [x for families in data.shifted.values() for x, _ in families.values()]
+    result["diversity"] = diversity(
+        predict, {"in_distribution": [data.x_test], "shift_mean": shifted}, True
+    )
     result.update(
         std_scale=std_scale,
         std_scale_at_bound=any(
@@ -325,10 +336,30 @@ def evaluate_regression(
         result["recalibrated"] = nan_like(
             {k: result[k] for k in ("in_distribution", "shift", "shift_mean")}
         )
+        result["calibrations"] = {
+            name: nan_like(
+                {
+                    "std_scale": 0,
+                    **{k: result[k] for k in ("in_distribution", "shift_mean")},
+                }
+            )
+            for name in CALIBRATIONS
+        }
         return result
 
     def recalibrated(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
         return uncertainty.scale_std(*predict(x), std_scale)
 
     result["recalibrated"] = _measure_sets(recalibrated, data, None, ood=False)
+
+    def measure(transform):
+        def calibrated(x):
+            return transform(*predict(x))
+
+        measured = _measure_sets(calibrated, data, None, ood=False)
+        return {k: measured[k] for k in ("in_distribution", "shift_mean")}
+
+    result["calibrations"] = calibrate_regressor(
+        predict, measure, data.x_train, x_valid, y_valid, SCALE_BOUNDS
+    )
     return result

@@ -15,6 +15,7 @@ from typing import Any
 
 from ensembles.benchmark.quality_tables import (
     best_row,
+    calibration_tables,
     cell,
     gap_lines,
     method_label,
@@ -205,4 +206,7 @@ def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> 
         "",
         table(_severity_table(group, None)),
     ]
+    block += calibration_tables(
+        group, second="coverage90", markdown=markdown, render=render_table
+    )
     return "\n".join(block)

@@ -16,6 +16,7 @@ from typing import Any
 from ensembles.benchmark.quality_regression_report import regression_block
 from ensembles.benchmark.quality_tables import (
     best_row,
+    calibration_tables,
     cell,
     gap_lines,
     groups_of,
@@ -390,5 +391,8 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
             "",
             render_table(*_severity_table(group, None), markdown=markdown, left=0),
         ]
+        block += calibration_tables(
+            group, second="ece", markdown=markdown, render=render_table
+        )
         blocks.append("\n".join(block))
     return "\n\n".join(blocks)

@@ -16,6 +16,7 @@ from ensembles.layers import (
     BatchEnsembleLinearGeneral,
     EnsembleBatchNorm,
     EnsembleLayerNorm,
+    EnsembleLinear,
     EnsembleRMSNorm,
 )
 from ensembles.members import tile, untile
@@ -34,6 +35,7 @@ __all__ = [
     "Ensemble",
     "EnsembleBatchNorm",
     "EnsembleLayerNorm",
+    "EnsembleLinear",
     "EnsembleRMSNorm",
     "EnsembleSummary",
     "FastWeight",

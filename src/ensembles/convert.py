@@ -35,12 +35,14 @@ from ensembles.convert_survey import (
     NORM_CONVERTERS,
     check_existing,
     check_selection,
+    independent_layer_paths,
     input_layer_paths,
     survey,
     warn_about_what_stays_shared,
 )
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
+from ensembles.layers.ensemble_linear import EnsembleLinear
 from ensembles.layers.parameters import (
     check_rngs,
     default_fast_weight_init,
@@ -78,6 +80,8 @@ def to_batch_ensemble(
     posterior: str | None = None,
     prior_stddev: float = DEFAULT_PRIOR_STDDEV,
     stddev_init: Initializer = default_stddev_init,
+    independent: filterlib.Filter | None = None,
+    independent_init: Initializer | None = None,
 ) -> M:
     """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
 
@@ -153,6 +157,15 @@ def to_batch_ensemble(
       prior_stddev: with a posterior, every converted layer's prior scale.
       stddev_init: with a posterior, the initializer of the unconstrained
         posterior scales.
+      independent: an NNX filter selecting ``nnx.Linear`` layers (among
+        those converted) to make fully independent: each becomes an
+        :class:`~ensembles.EnsembleLinear`, a kernel and bias of its own per
+        member (TabM's independent heads), where the others share theirs.
+        ``None``: none.
+      independent_init: ``None`` copies each independent layer's kernel and
+        bias to every member (an exact conversion of a trained model); an
+        initializer draws every member's kernel afresh from it (members as
+        independent as a deep ensemble's, for a model not yet trained).
 
     Returns:
       The converted model, of the same type as ``model``.
@@ -160,6 +173,7 @@ def to_batch_ensemble(
     Raises:
       ValueError: if the model holds nothing to convert and no BatchEnsemble
         layer, if ``input_layers`` selects none of the converted layers, if
+        ``independent`` selects none, or one that is not an ``nnx.Linear``, if
         its BatchEnsemble layers have another ``num_members`` or
         another ``posterior`` or ``prior_stddev`` (a converted layer keeps its
         fast weights), if
@@ -180,6 +194,8 @@ def to_batch_ensemble(
     input_r_init = _check_initializers(r_init, s_init, input_r_init)
     if posterior is not None:
         check_initializer(stddev_init, "stddev_init")
+    if independent_init is not None:
+        check_initializer(independent_init, "independent_init")
     norm_types = NORM_CONVERTERS if norms == "member" else {}
 
     # Decide everything before converting anything: an error leaves the model
@@ -187,11 +203,19 @@ def to_batch_ensemble(
     found = survey(model, only, norms, norm_types)
     check_existing(found, num_members, posterior, prior_stddev)
     check_selection(found, model, only)
+    independent_paths = independent_layer_paths(model, independent, found)
+    # An independent layer has no fast weights: the input layers' r is for
+    # the BatchEnsemble layers.
+    shared = dataclasses.replace(
+        found, selected_paths=found.selected_paths - independent_paths
+    )
     plan = _Plan(
         selected_paths=frozenset(found.selected_paths),
         input_paths=input_layer_paths(
-            model, input_layers, found, wanted=input_r_init is not None
+            model, input_layers, shared, wanted=input_r_init is not None
         ),
+        independent_paths=independent_paths,
+        independent_init=independent_init,
         norm_types=norm_types,
         layer_options={
             "num_members": num_members,
@@ -253,6 +277,8 @@ class _Plan:
 
     selected_paths: frozenset[tuple[Any, ...]]
     input_paths: frozenset[tuple[Any, ...]]
+    independent_paths: frozenset[tuple[Any, ...]]
+    independent_init: Initializer | None
     norm_types: Any
     layer_options: dict[str, Any]
     r_init: Initializer
@@ -271,6 +297,13 @@ def _convert_node(plan: _Plan, draw: nnx.Rngs, path: Any, node: Any) -> Any:
     ):
         return node
     try:
+        if tuple(path) in plan.independent_paths:
+            return EnsembleLinear.from_linear(
+                node,
+                num_members=plan.layer_options["num_members"],
+                rngs=draw,
+                kernel_init=plan.independent_init,
+            )
         if kind in CONVERTERS:
             return _convert_layer(plan, draw, tuple(path) in plan.input_paths, node)
         return map_layers(

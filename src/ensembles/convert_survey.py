@@ -37,6 +37,7 @@ __all__ = [
     "Survey",
     "check_existing",
     "check_selection",
+    "independent_layer_paths",
     "input_layer_paths",
     "survey",
     "warn_about_what_stays_shared",
@@ -221,6 +222,50 @@ def input_layer_paths(
     if not wanted:
         return frozenset()
     return frozenset(tuple(p) for node in chosen for p in paths[id(node)])
+
+
+def independent_layer_paths(
+    model: Any, independent: filterlib.Filter | None, survey: Survey
+) -> frozenset[tuple[Any, ...]]:
+    """The paths of the ``nnx.Linear`` layers to make fully independent.
+
+    Among the layers the conversion selects, those ``independent`` selects
+    become :class:`~ensembles.EnsembleLinear` (all paths of each).
+
+    Raises:
+      ValueError: if ``independent`` selects a layer that is not an
+        ``nnx.Linear``, or none of the layers to convert.
+    """
+    if independent is None:
+        return frozenset()
+    predicate = filterlib.to_predicate(independent)
+    chosen: set[tuple[Any, ...]] = set()
+    candidates, other = [], []
+    for path, node in nnx.iter_graph(model):
+        every = [tuple(p) for p in survey.paths.get(id(node), [path])]
+        if type(node) not in CONVERTERS or not set(every) & survey.selected_paths:
+            continue
+        where = "/".join(map(str, path))
+        candidates.append(where)
+        if any(predicate(p, node) for p in every):
+            if type(node) is nnx.Linear:
+                chosen.update(every)
+            else:
+                other.append(f"{where} ({type(node).__name__})")
+    if other:
+        raise ValueError(
+            f"`independent` (={independent!r}) selects layers that are not "
+            f"nnx.Linear: {other}. Only an nnx.Linear becomes fully independent "
+            f"(ensembles.EnsembleLinear); leave these to `only` (BatchEnsemble "
+            f"layers)."
+        )
+    if not chosen:
+        raise ValueError(
+            f"`independent` (={independent!r}) selects none of the layers to "
+            f"convert: {candidates}. Select the output layer by its path, e.g. "
+            f"`independent=lambda path, node: path[-1] == 'head'`."
+        )
+    return frozenset(chosen)
 
 
 def warn_about_what_stays_shared(survey: Survey) -> None:

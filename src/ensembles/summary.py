@@ -11,7 +11,7 @@ from flax import nnx
 from flax.nnx import graph as nnx_graph
 
 from ensembles.ensemble import extract_member
-from ensembles.layers.base import EnsembleModule
+from ensembles.layers.base import BatchEnsembleModule, EnsembleModule
 from ensembles.variables import FastWeight
 
 __all__ = ["EnsembleSummary", "summary"]
@@ -243,15 +243,16 @@ def summary(model: Any) -> EnsembleSummary:
     for path, node in nnx.iter_graph(model):
         if isinstance(node, EnsembleModule):
             sizes.add(node.num_members)
-            # A layer's kernel is shared by its members, r and s are fast, and
-            # everything else (biases, norm scales) has one copy per member.
+            # A BatchEnsemble layer's kernel is shared by its members, r and s
+            # are fast, and everything else (biases, norm scales, and every
+            # parameter of an EnsembleLinear) has one copy per member.
             flat = nnx.to_flat_state(nnx.state(node, nnx.Param))
             shared = fast = member = 0
             for var_path, variable in flat:
                 size = int(np.prod(variable.shape))
                 if isinstance(variable, FastWeight):
                     fast += size
-                elif var_path[-1] == "kernel":
+                elif var_path[-1] == "kernel" and isinstance(node, BatchEnsembleModule):
                     shared += size
                 else:
                     member += size

@@ -5,6 +5,7 @@ from ensembles.layers.batch_norm import EnsembleBatchNorm
 from ensembles.layers.conv import BatchEnsembleConv
 from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
 from ensembles.layers.einsum import BatchEnsembleEinsum
+from ensembles.layers.ensemble_linear import EnsembleLinear
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
 from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
@@ -18,6 +19,7 @@ __all__ = [
     "BatchEnsembleModule",
     "EnsembleBatchNorm",
     "EnsembleLayerNorm",
+    "EnsembleLinear",
     "EnsembleModule",
     "EnsembleRMSNorm",
 ]

@@ -15,6 +15,7 @@ from ensembles.ops.dense import batch_ensemble_dense
 from ensembles.ops.dense_general import batch_ensemble_dense_general
 from ensembles.ops.einsum import batch_ensemble_einsum
 from ensembles.ops.impls import IMPLS
+from ensembles.ops.member_dense import ensemble_dense
 from ensembles.ops.normalization import (
     ensemble_batch_norm,
     ensemble_batch_statistics,
@@ -31,6 +32,7 @@ __all__ = [
     "batch_ensemble_einsum",
     "ensemble_batch_norm",
     "ensemble_batch_statistics",
+    "ensemble_dense",
     "ensemble_layer_norm",
     "ensemble_rms_norm",
 ]

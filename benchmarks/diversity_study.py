@@ -96,6 +96,18 @@ CANDIDATES = {
         "fast_weight_init": init.normal(1.0, 0.25),
         "first_layer_init": (init.random_sign(), init.normal(1.0, 0.25)),
     },
+    # Issue 59: members that differ where it counts.
+    "independent head": {"independent_head": True},
+    "independent head member batches": {"independent_head": True, "tiled": False},
+    # uncertainty-baselines' rank-1 recipe (baselines/cifar/rank1_bnn.py):
+    # random +-1 fast-weight means, the fast weights at the full learning
+    # rate; the prior (0.1 about 1), the KL annealing and 4 draws per member
+    # at prediction are ours already.
+    "rank1 UB": {
+        "method": "rank1",
+        "fast_weight_init": init.random_sign(),
+        "fast_lr_multiplier": 1.0,
+    },
 }
 BASELINES = {"single": {"method": "single"}, "deep": {"method": "deep_ensemble"}}
 
@@ -196,17 +208,25 @@ MEASURES = {
     "shift NLL cal": ("recalibrated", "shift_mean", "nll"),
     "ECE cal": ("recalibrated", "in_distribution", "ece"),
     "shift ECE cal": ("recalibrated", "shift_mean", "ece"),
-    "ECE": (None, "in_distribution", "ece"),
-    "T": (None, "temperature", None),
-    "acc": (None, "in_distribution", "accuracy"),
-    "shift NLL": (None, "shift_mean", "nll"),
+    "ECE": ("in_distribution", "ece"),
+    "T": ("temperature",),
+    "acc": ("in_distribution", "accuracy"),
+    "shift NLL": ("shift_mean", "nll"),
+    # The calibrations of ensembles.benchmark.quality_calibration.
+    "NLL members noisy": ("calibrations", "members_noisy", "in_distribution", "nll"),
+    "shift NLL members noisy": ("calibrations", "members_noisy", "shift_mean", "nll"),
+    "ECE members noisy": ("calibrations", "members_noisy", "in_distribution", "ece"),
+    "shift NLL pooled noisy": ("calibrations", "pooled_noisy", "shift_mean", "nll"),
+    "KL": ("diversity", "in_distribution", "pairwise_kl"),
+    "shift KL": ("diversity", "shift_mean", "pairwise_kl"),
 }
 
 
 def _value(row, measure):
-    part, where, metric = MEASURES[measure]
-    base = row if part is None else row[part]
-    return base[where] if metric is None else base[where][metric]
+    value = row
+    for key in MEASURES[measure]:
+        value = value[key]
+    return value
 
 
 def _cells(rows):

@@ -61,6 +61,7 @@ from ensembles.benchmark.methods import _count
 from ensembles.benchmark.quality_models import ModelSpec
 from ensembles.benchmark.quality_training import (
     Context,
+    independent_head_options,
     objective,
     optimizer,
     train_steps,
@@ -199,6 +200,7 @@ def train_method(
     num_classes: int | None = None,
     first_layer_init: tuple[Initializer, Initializer] | None = None,
     diversity: float = 0.0,
+    independent_head: bool = False,
     regression: bool = False,
     beta: float = BETA,
     min_std: float = MIN_STD,
@@ -262,6 +264,10 @@ def train_method(
         ``nnx.Sequential``), the others keeping ``fast_weight_init`` (TabM's
         recipe: random signs for the first layer's ``r``, ones elsewhere);
         ``None``: every layer alike.
+      independent_head: ``batchensemble``/``rank1``: the model's last
+        ``nnx.Linear`` (its output layer) becomes fully independent, a kernel
+        of its own per member drawn afresh (``to_batch_ensemble``'s
+        ``independent``; TabM's heads).
       diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
         Buschjaeger et al., 2020): ``diversity`` times the mean squared
         distance of each member's softmax from the members' mean is
@@ -319,6 +325,7 @@ def train_method(
             tiled=tiled,
             kl_annealing=kl_annealing,
             eval_draws=eval_draws,
+            independent_head=independent_head,
         )
     elif method == "finetuned":
         net, loss_fn, predict_fn = _finetuned(context, loss_of, start)
@@ -419,12 +426,16 @@ def _batch_ensemble(
     tiled,
     kl_annealing,
     eval_draws,
+    independent_head,
 ):
     import optax
 
     E, count = context.num_members, len(context.x_all)
+    plain = context.build(rngs=nnx.Rngs(context.key(0)))
+    if independent_head:
+        options = {**options, **independent_head_options(plain)}
     net = ensembles.to_batch_ensemble(
-        context.build(rngs=nnx.Rngs(context.key(0))),
+        plain,
         num_members=E,
         rngs=nnx.Rngs(context.key(1)),
         **options,

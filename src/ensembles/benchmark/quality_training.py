@@ -23,11 +23,13 @@ from flax import nnx
 
 import ensembles
 from ensembles._checks import check_num_members, check_positive_int
+from ensembles._graph import in_construction_order
 from ensembles.benchmark.quality_models import ModelSpec, build_model
 
 __all__ = [
     "Context",
     "gaussian_pairs",
+    "independent_head_options",
     "objective",
     "optimizer",
     "train_steps",
@@ -258,3 +260,24 @@ def train_steps(
     if best_state is not None:
         nnx.update(net, best_state)
     return time.perf_counter() - began, best_step
+
+
+def independent_head_options(model: nnx.Module) -> dict[str, Any]:
+    """``to_batch_ensemble`` options making ``model``'s output layer independent.
+
+    The output layer is the last ``nnx.Linear`` the model created; each
+    member's kernel is drawn afresh (LeCun normal, ``nnx.Linear``'s).
+
+    Raises:
+      ValueError: if the model holds no ``nnx.Linear``.
+    """
+    linears = [n for n in in_construction_order(model) if type(n) is nnx.Linear]
+    if not linears:
+        raise ValueError(
+            "`independent_head` needs an nnx.Linear output layer; the model has none."
+        )
+    head = linears[-1]
+    return {
+        "independent": lambda path, node: node is head,
+        "independent_init": nnx.initializers.lecun_normal(),
+    }

@@ -223,8 +223,11 @@ MEASURES = {
 
 
 def _value(row, measure):
+    """A row's ``measure`` (``nan`` where the row predates it)."""
     value = row
     for key in MEASURES[measure]:
+        if not isinstance(value, dict) or key not in value:
+            return float("nan")
         value = value[key]
     return value
 

@@ -1007,3 +1007,16 @@ def test_a_diverged_classifier_is_marked_and_the_others_stand(data):
     best = next(line for line in text.splitlines() if line.startswith("best"))
     assert "deep_ensemble" in best
     assert summarize(rows)[1]["gap_closed_as_trained"]["in_distribution"] is None
+
+
+def test_an_independent_head_is_drawn_afresh_per_member():
+    x = np.random.default_rng(0).standard_normal((40, 40)).astype(np.float32)
+    y = np.arange(40) % 10
+    trained = train_method(
+        "batchensemble", "mlp", x, y, num_members=3, steps=2, independent_head=True
+    )
+    head = trained.model.layers[-1]
+    assert type(head) is ensembles.EnsembleLinear
+    kernel = np.asarray(head.kernel[...])
+    assert kernel.shape[0] == 3 and not np.allclose(kernel[0], kernel[1])
+    assert trained.predict(x[:5]).shape == (3, 5, 10)

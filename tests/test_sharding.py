@@ -142,7 +142,7 @@ SCRIPT = textwrap.dedent(
 
 
     def one_device_formulation():
-        return mock.patch.object(dense, "rows_may_be_sharded", lambda: False)
+        return mock.patch.object(dense, "rows_may_be_sharded", lambda *inputs: False)
 
 
     start = time.perf_counter()
@@ -342,7 +342,7 @@ def test_from_linear_keeps_the_bias_annotation():
 
 def _by_member(inputs, kernel, r, s, bias, **options):
     """The one-device path (member reshapes), as the op runs it on one device."""
-    with mock.patch.object(dense, "rows_may_be_sharded", lambda: False):
+    with mock.patch.object(dense, "rows_may_be_sharded", lambda *inputs: False):
         return dense.dense_rows(inputs, kernel, r, s, bias, **options)
 
 

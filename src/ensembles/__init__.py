@@ -5,7 +5,7 @@ member ``k`` behaves as if its weight were ``W * outer(r_k, s_k)``, and all memb
 run as one member-major ``[E*B, ...]`` batch.
 """
 
-from ensembles import initializers, ops, optim, training, uncertainty
+from ensembles import initializers, multihost, ops, optim, training, uncertainty
 from ensembles.convert import extract_member, to_batch_ensemble
 from ensembles.ensemble import Ensemble
 from ensembles.layers import (
@@ -43,6 +43,7 @@ __all__ = [
     "extract_member",
     "initializers",
     "kl_divergence",
+    "multihost",
     "ops",
     "optim",
     "summary",

@@ -43,6 +43,7 @@ from ensembles.convert_survey import (
 from ensembles.ensemble import extract_member
 from ensembles.initializers import Initializer
 from ensembles.layers.ensemble_linear import EnsembleLinear
+from ensembles.layers.member_axis import shard_members
 from ensembles.layers.parameters import (
     check_rngs,
     default_fast_weight_init,
@@ -82,6 +83,7 @@ def to_batch_ensemble(
     stddev_init: Initializer = default_stddev_init,
     independent: filterlib.Filter | None = None,
     independent_init: Initializer | None = None,
+    member_axis: str | None = None,
 ) -> M:
     """Returns a BatchEnsemble copy of ``model``, keeping its pretrained weights.
 
@@ -166,6 +168,11 @@ def to_batch_ensemble(
         bias to every member (an exact conversion of a trained model); an
         initializer draws every member's kernel afresh from it (members as
         independent as a deep ensemble's, for a model not yet trained).
+      member_axis: ``None`` (the member axis of every per-member array
+        replicated) or a mesh axis name to shard the members over: the
+        fast weights, per-member biases and norms and independent kernels
+        of every ensemble layer of the result are annotated with it
+        (:func:`ensembles.layers.shard_members`; ``docs/scaling_out.md``).
 
     Returns:
       The converted model, of the same type as ``model``.
@@ -178,12 +185,14 @@ def to_batch_ensemble(
         another ``posterior`` or ``prior_stddev`` (a converted layer keeps its
         fast weights), if
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
-        is invalid (or an initializer fails). Nothing (neither ``model`` nor
-        ``rngs``) is changed then.
+        is invalid (or an initializer fails), or ``member_axis`` cannot
+        annotate a per-member array (another axis there, or a mesh whose
+        axis does not divide ``num_members``). Nothing (neither ``model``
+        nor ``rngs``) is changed then.
       TypeError: if ``rngs`` is not an ``nnx.Rngs``, ``prior_stddev`` is
         not a number, ``share_weights`` is not a bool (``"no"`` would read as
         True and share the pretrained Variables) or an initializer is not
-        callable.
+        callable, or ``member_axis`` is not a string.
     """
     num_members = check_num_members(num_members)
     norms = check_choice(norms, "norms", _NORM_MODES)
@@ -196,6 +205,11 @@ def to_batch_ensemble(
         check_initializer(stddev_init, "stddev_init")
     if independent_init is not None:
         check_initializer(independent_init, "independent_init")
+    if member_axis is not None and not isinstance(member_axis, str):
+        raise TypeError(
+            f"`member_axis` must be a mesh axis name (a str) or None, got "
+            f"{member_axis!r}."
+        )
     norm_types = NORM_CONVERTERS if norms == "member" else {}
 
     # Decide everything before converting anything: an error leaves the model
@@ -237,11 +251,15 @@ def to_batch_ensemble(
     # Fast weights draw from a copy of `rngs`, handed back only on success: an
     # initializer that fails halfway leaves the caller's streams where they were.
     with drawing_from(rngs) as draw:
-        return nnx.recursive_map(
+        converted = nnx.recursive_map(
             lambda path, node: _convert_node(plan, draw, path, node),
             source,
             graph=True,
         )
+        if member_axis is None:
+            return converted
+        # Annotates the new copy; an error here hands no draws back.
+        return shard_members(converted, member_axis)
 
 
 def _check_initializers(

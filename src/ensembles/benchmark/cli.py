@@ -16,9 +16,11 @@ shift, and out-of-distribution AUROC (:mod:`ensembles.benchmark.quality`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 import jax
@@ -282,20 +284,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = _parse(argv)
     start = time.perf_counter()
-    if args.quality:
-        return _main_quality(args, _describe_device(), start)
-    if args.compiled_for is not None:
-        return _main_compiled(args, start)
-    # Before JAX runs anything: the model check and the device query do.
-    reused = not args.default_malloc and reuse_freed_memory()
-    args.malloc_keeps_freed_memory = reused  # in the JSON's config
+    if not args.quality and args.compiled_for is None:
+        # Before JAX runs anything (counting the processes starts it).
+        reused = not args.default_malloc and reuse_freed_memory()
+        args.malloc_keeps_freed_memory = reused  # in the JSON's config
+    with _one_report(args):
+        if args.quality:
+            return _main_quality(args, _describe_device(), start)
+        if args.compiled_for is not None:
+            return _main_compiled(args, start)
+        return _main_cost(args, start)
+
+
+@contextlib.contextmanager
+def _one_report(args: argparse.Namespace) -> Iterator[None]:
+    """Process 0 alone prints and writes the report in a run of several.
+
+    Under ``jax.distributed`` every process runs the same command and
+    measures on its own devices (the measured programs are purely local:
+    :func:`ensembles.multihost.local_mesh`); one report, not one per
+    process, comes out: the others' tables are dropped and their files not
+    written, and each says so on stderr.
+    """
+    if jax.process_count() == 1 or jax.process_index() == 0:
+        yield
+        return
+    print(
+        f"ensembles-bench: process {jax.process_index()} of "
+        f"{jax.process_count()} measures on its own devices; process 0 prints "
+        f"and writes the report",
+        file=sys.stderr,
+        flush=True,
+    )
+    args.json = args.plot = None
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def _main_cost(args: argparse.Namespace, start: float) -> int:
+    """``main`` without ``--quality`` or ``--compiled-for``: time, print, write."""
     _check_convertible(args)
     device = _describe_device()
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
         f"CPUs); median of {args.repeats} interleaved rounds; "
-        + ("malloc keeps freed memory" if reused else "the default malloc"),
+        + (
+            "malloc keeps freed memory"
+            if args.malloc_keeps_freed_memory
+            else "the default malloc"
+        ),
         flush=True,
     )
     rows = run_benchmark(

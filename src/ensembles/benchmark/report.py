@@ -242,14 +242,15 @@ def _describe_device() -> dict[str, Any]:
     """The device the benchmark runs on, and the host.
 
     Returns:
-      ``platform``, ``device_kind``, ``device_count``, ``host`` (the CPU) and
-      ``cpu_count``.
+      ``platform``, ``device_kind``, ``device_count`` (every process's),
+      ``process_count``, ``host`` (the CPU) and ``cpu_count``.
     """
     device = jax.devices()[0]
     return {
         "platform": device.platform,
         "device_kind": device.device_kind,
         "device_count": jax.device_count(),
+        "process_count": jax.process_count(),
         "host": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
     }

@@ -12,6 +12,7 @@ from typing import Any
 from ensembles.benchmark.methods import METHODS, MODES, prepare_method
 from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model_name
 from ensembles.benchmark.timing import interleaved_times, median, quartiles
+from ensembles.multihost import local_mesh
 
 __all__ = ["run_benchmark"]
 
@@ -104,91 +105,96 @@ def run_benchmark(
     """
     show = progress or (lambda message: None)
     rows: list[dict[str, Any]] = []
-    groups = [(m, d, e) for m in models for d in modes for e in members]
-    for index, (model, mode, num_members) in enumerate(groups, 1):
-        name = model_name(model)
-        where = f"[{index}/{len(groups)}] {name} {mode} E={num_members}"
-        prepared = {}
-        for method in METHODS:
-            show(f"{where}: compiling {method}")
-            prepared[method] = prepare_method(
-                method,
-                model,
-                mode,
-                num_members=num_members,
-                batch=batch,
-                width=width,
-                image_size=image_size,
-                input_shape=input_shape,
-                impl=impl,
-                seed=seed,
+    # Every array here lives on this process's first device: the ops take their
+    # one-device formulation, also in a run of several processes.
+    with local_mesh():
+        groups = [(m, d, e) for m in models for d in modes for e in members]
+        for index, (model, mode, num_members) in enumerate(groups, 1):
+            name = model_name(model)
+            where = f"[{index}/{len(groups)}] {name} {mode} E={num_members}"
+            prepared = {}
+            for method in METHODS:
+                show(f"{where}: compiling {method}")
+                prepared[method] = prepare_method(
+                    method,
+                    model,
+                    mode,
+                    num_members=num_members,
+                    batch=batch,
+                    width=width,
+                    image_size=image_size,
+                    input_shape=input_shape,
+                    impl=impl,
+                    seed=seed,
+                )
+            show(f"{where}: timing {repeats} rounds")
+            faults: dict[str, list[int]] = {}
+            times = interleaved_times(
+                {method: p.step for method, p in prepared.items()},
+                repeats,
+                page_faults=faults,
             )
-        show(f"{where}: timing {repeats} rounds")
-        faults: dict[str, list[int]] = {}
-        times = interleaved_times(
-            {method: p.step for method, p in prepared.items()},
-            repeats,
-            page_faults=faults,
-        )
-        medians = {method: median(values) for method, values in times.items()}
-        best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
-        deep = prepared[best]
-        for method, p in prepared.items():
-            median_s = medians[method]
-            q1, q3 = quartiles(times[method])
-            rows.append(
-                {
-                    "method": method,
-                    "model": name,
-                    "mode": mode,
-                    "members": num_members,
-                    "batch": batch,
-                    "width": (
-                        None
-                        if not isinstance(model, str)
-                        else DEFAULT_WIDTHS[model]
-                        if width is None
-                        else width
-                    ),
-                    "impl": impl,
-                    "loss": p.loss,
-                    "samples": batch if method == "single_b" else num_members * batch,
-                    "median_s": median_s,
-                    "q1_s": q1,
-                    "q3_s": q3,
-                    "samples_per_s": (
-                        batch if method == "single_b" else num_members * batch
-                    )
-                    / median_s,
-                    "ratio_to_single": median_s / medians["single"],
-                    "ratio_to_single_b": median_s / medians["single_b"],
-                    "speedup_vs_deep_ensemble": medians["deep_ensemble"] / median_s,
-                    "speedup_vs_deep_ensemble_loop": (
-                        medians["deep_ensemble_loop"] / median_s
-                    ),
-                    "best_deep_ensemble": best,
-                    "speedup_vs_best_deep_ensemble": medians[best] / median_s,
-                    "params": p.num_params,
-                    "param_bytes": p.param_bytes,
-                    "params_ratio_to_deep_ensemble": p.num_params / deep.num_params,
-                    "argument_bytes": p.memory.argument_bytes,
-                    "output_bytes": p.memory.output_bytes,
-                    "alias_bytes": p.memory.alias_bytes,
-                    "temp_bytes": p.memory.temp_bytes,
-                    "total_bytes": p.memory.total_bytes,
-                    # Against the deep ensemble that holds all E models at
-                    # once, as every other method does (the loop's figure
-                    # counts one call's temporaries: its calls run apart).
-                    "memory_ratio_to_deep_ensemble": (
-                        p.memory.total_bytes
-                        / prepared["deep_ensemble"].memory.total_bytes
-                    ),
-                    "page_faults_per_step": (
-                        median(faults[method]) if faults[method] else None
-                    ),
-                    "times_s": times[method],
-                }
-            )
-        del prepared
+            medians = {method: median(values) for method, values in times.items()}
+            best = min(("deep_ensemble", "deep_ensemble_loop"), key=medians.get)
+            deep = prepared[best]
+            for method, p in prepared.items():
+                median_s = medians[method]
+                q1, q3 = quartiles(times[method])
+                rows.append(
+                    {
+                        "method": method,
+                        "model": name,
+                        "mode": mode,
+                        "members": num_members,
+                        "batch": batch,
+                        "width": (
+                            None
+                            if not isinstance(model, str)
+                            else DEFAULT_WIDTHS[model]
+                            if width is None
+                            else width
+                        ),
+                        "impl": impl,
+                        "loss": p.loss,
+                        "samples": batch
+                        if method == "single_b"
+                        else num_members * batch,
+                        "median_s": median_s,
+                        "q1_s": q1,
+                        "q3_s": q3,
+                        "samples_per_s": (
+                            batch if method == "single_b" else num_members * batch
+                        )
+                        / median_s,
+                        "ratio_to_single": median_s / medians["single"],
+                        "ratio_to_single_b": median_s / medians["single_b"],
+                        "speedup_vs_deep_ensemble": medians["deep_ensemble"] / median_s,
+                        "speedup_vs_deep_ensemble_loop": (
+                            medians["deep_ensemble_loop"] / median_s
+                        ),
+                        "best_deep_ensemble": best,
+                        "speedup_vs_best_deep_ensemble": medians[best] / median_s,
+                        "params": p.num_params,
+                        "param_bytes": p.param_bytes,
+                        "params_ratio_to_deep_ensemble": p.num_params / deep.num_params,
+                        "argument_bytes": p.memory.argument_bytes,
+                        "output_bytes": p.memory.output_bytes,
+                        "alias_bytes": p.memory.alias_bytes,
+                        "temp_bytes": p.memory.temp_bytes,
+                        "total_bytes": p.memory.total_bytes,
+                        # Against the deep ensemble that holds all E models at
+                        # once, as every other method does (the loop's figure
+                        # counts one call's temporaries: its calls run apart).
+                        "memory_ratio_to_deep_ensemble": (
+                            p.memory.total_bytes
+                            / prepared["deep_ensemble"].memory.total_bytes
+                        ),
+                        "page_faults_per_step": (
+                            median(faults[method]) if faults[method] else None
+                        ),
+                        "times_s": times[method],
+                    }
+                )
+            del prepared
     show("")
     return rows

@@ -8,6 +8,7 @@ from ensembles.layers.einsum import BatchEnsembleEinsum
 from ensembles.layers.ensemble_linear import EnsembleLinear
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
+from ensembles.layers.member_axis import shard_members
 from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "EnsembleLinear",
     "EnsembleModule",
     "EnsembleRMSNorm",
+    "shard_members",
 ]

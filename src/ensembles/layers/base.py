@@ -135,6 +135,8 @@ class EnsembleModule(nnx.Module):
 
     num_members: int
     member: int | None
+    #: The Variables all members share (every other one has a member axis).
+    shared_variables: tuple[str, ...] = ()
 
     def set_view(self, member: int | None = None):
         """Class method used by ``nnx.view``.
@@ -197,6 +199,7 @@ class BatchEnsembleModule(EnsembleModule):
     (1, 'xla', None)
     """
 
+    shared_variables = ("kernel",)
     impl: str
     _impls: tuple[str, ...]
     posterior: str | None

@@ -43,7 +43,9 @@ def reference_parameter(layer: Any) -> tuple[nnx.Variable | None, int]:
                 + len(tuple(layer.in_features))
                 + len(tuple(layer.out_features))
             )
-        return kernel, 2  # Linear
+        # Linear; EnsembleLinear's kernel has a member axis first.
+        per_member = "kernel" not in getattr(layer, "shared_variables", ("kernel",))
+        return kernel, 2 + per_member
     # Norms: per-feature parameters (per member: [E, features]).
     member_axis = 1 if hasattr(layer, "num_members") else 0
     for name in ("scale", "bias", "mean"):

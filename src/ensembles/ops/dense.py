@@ -21,10 +21,10 @@ each member's kernel gradient ``M_k = x_k^T g_k`` in turn and reads ``dW``,
 ``jax.custom_jvp``, so forward mode, ``hessian``, ``linear_transpose`` and
 ``vmap`` keep working.
 
-With more than one device a batch may be sharded: then the row axis is never
-reshaped (:func:`dense_by_row`, ``docs/scaling_out.md``). ``impl="pallas"``
-runs the fused kernel of :mod:`ensembles.experimental.pallas`, imported only
-when named.
+Where the rows may be split over devices (:func:`rows_may_be_sharded`) the
+row axis is never reshaped (:func:`dense_by_row`, ``docs/scaling_out.md``).
+``impl="pallas"`` runs the fused kernel of :mod:`ensembles.experimental.pallas`,
+imported only when named.
 """
 
 from __future__ import annotations
@@ -199,18 +199,45 @@ _scaled_matmul.defjvp(_scaled_matmul_jvp, symbolic_zeros=True)
 # ------------------------------------------------------------ sharded rows
 
 
-def rows_may_be_sharded() -> bool:
+def rows_may_be_sharded(inputs: Any = None) -> bool:
     """Whether the dense ops take their sharding-friendly path (:func:`dense_by_row`).
 
-    That is whenever this process sees more than one device (on many hosts:
-    more than one in all), since only then can a batch be sharded. On one
-    device the ops keep the member reshapes, which are a few percent faster
-    to differentiate on CPU (the gather's transpose is a scatter-add) and
-    which the first layer's per-member derivative needs.
+    Decided from what can hold the rows, the first of:
 
-    >>> rows_may_be_sharded()                        # one CPU device
+    1. ``inputs`` itself, a placed ``jax.Array``: whether it spans more
+       than one device;
+    2. the mesh of ``inputs``' type (explicit mesh axes) or the mesh set by
+       ``jax.set_mesh``: whether it has more than one device (a one-device
+       mesh around purely local work keeps the local path, also in a run of
+       several processes);
+    3. neither (a jitted function's argument with no mesh in sight): whether
+       the program sees more than one device, on every process together,
+       since only then can a batch be sharded.
+
+    On one device the ops keep the member reshapes, which are a few percent
+    faster to differentiate on CPU (the gather's transpose is a scatter-add)
+    and which the accelerators' formulation needs.
+
+    >>> import jax.numpy as jnp
+    >>> rows_may_be_sharded(jnp.ones((4, 3)))        # on one device
     False
+
+    Args:
+      inputs: the op's ``[E*B, ...]`` rows (concrete or traced), or ``None``
+        to decide from the mesh and the device count alone.
+
+    Returns:
+      True where the rows may be split over devices.
     """
+    if isinstance(inputs, jax.Array) and not isinstance(inputs, jax.core.Tracer):
+        return len(inputs.sharding.device_set) > 1
+    mesh = None
+    if inputs is not None:
+        mesh = getattr(getattr(jax.typeof(inputs), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh.size > 1
     return jax.device_count() > 1
 
 
@@ -307,7 +334,7 @@ def dense_rows(
     What :func:`batch_ensemble_dense` runs after its checks, and what the
     layers (and the general and einsum ops) call with the options they
     checked once: the Pallas kernel where ``impl="pallas"``, the sharded-rows
-    path where more than one device is visible (:func:`rows_may_be_sharded`),
+    path where the rows may be split over devices (:func:`rows_may_be_sharded`),
     else the formula on the ``[E, B, in]`` view with its custom derivative.
 
     Args:
@@ -345,7 +372,7 @@ def dense_rows(
             f"`{name}` configures the Pallas kernel, but impl={impl!r} was asked "
             f'for. Use impl="pallas", or drop `{name}`.'
         )
-    if rows_may_be_sharded():
+    if rows_may_be_sharded(inputs):
         return dense_by_row(
             inputs,
             kernel,

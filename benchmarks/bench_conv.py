@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark.timing import (
+from ensembles.benchmark.cost.timing import (
     interleaved_times,
     median,
     paired_ratio,

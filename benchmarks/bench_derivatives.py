@@ -29,7 +29,7 @@ from ensembles.benchmark import (
     prepare_method,
     reuse_freed_memory,
 )
-from ensembles.benchmark.models import load_factory
+from ensembles.benchmark.arguments import load_factory
 from ensembles.ops import conv, dense
 
 

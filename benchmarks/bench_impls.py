@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles.benchmark.timing import (
+from ensembles.benchmark.cost.timing import (
     interleaved_times,
     median,
     paired_ratio,

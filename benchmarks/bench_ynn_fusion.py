@@ -20,7 +20,11 @@ import argparse
 import jax
 
 from benchmarks.bench_dense import MODES, SHAPES, case
-from ensembles.benchmark.timing import interleaved_times, median, reuse_freed_memory
+from ensembles.benchmark.cost.timing import (
+    interleaved_times,
+    median,
+    reuse_freed_memory,
+)
 
 YNN_ELTWISE = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_ELTWISE"}
 

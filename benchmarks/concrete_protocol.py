@@ -33,7 +33,7 @@ from flax import nnx
 
 import ensembles
 from ensembles import uncertainty
-from ensembles.benchmark.regression_tasks import load_concrete
+from ensembles.benchmark.quality.regression.tasks import load_concrete
 
 E, HIDDEN, EPOCHS, BATCH = 5, 50, 40, 100
 MIN_STD = 1e-3  # sqrt of the paper's 1e-6 variance floor

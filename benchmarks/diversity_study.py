@@ -4,9 +4,9 @@ Trains one model (``single``), a deep ensemble and BatchEnsemble recipes
 (``CANDIDATES``) on the quality benchmark's tasks and models, every one
 measured as trained and recalibrated (its own temperature, fitted on the
 validation split held out of the training data, never the test set:
-``ensembles.benchmark.quality.evaluate``). Results go to a JSON file, one row
-per (task, model, E, seed, recipe), and a run resumes from it, so a long
-study can be stopped and restarted::
+``ensembles.benchmark.quality.classification.scores.evaluate``). Results go to
+a JSON file, one row per (task, model, E, seed, recipe), and a run resumes
+from it, so a long study can be stopped and restarted::
 
     python benchmarks/diversity_study.py --json study.json \\
         --tasks mnist1d,digits,tabular --members 4 --seeds 10,11,12
@@ -30,10 +30,11 @@ import time
 import numpy as np
 
 import ensembles
-from ensembles.benchmark.quality import evaluate, split_validation
-from ensembles.benchmark.quality_data import SHIFTS, mnist1d_sets
-from ensembles.benchmark.quality_methods import train_method
-from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
+from ensembles.benchmark.quality.classification.mnist1d import SHIFTS, mnist1d_sets
+from ensembles.benchmark.quality.classification.scores import evaluate
+from ensembles.benchmark.quality.methods import train_method
+from ensembles.benchmark.quality.run import split_validation
+from ensembles.benchmark.quality.tasks import TASK_MODELS, TASK_STEPS, load_task
 
 init = ensembles.initializers
 
@@ -212,7 +213,7 @@ MEASURES = {
     "T": ("temperature",),
     "acc": ("in_distribution", "accuracy"),
     "shift NLL": ("shift_mean", "nll"),
-    # The calibrations of ensembles.benchmark.quality_calibration.
+    # The calibrations of ensembles.benchmark.quality.calibration.
     "NLL members noisy": ("calibrations", "members_noisy", "in_distribution", "nll"),
     "shift NLL members noisy": ("calibrations", "members_noisy", "shift_mean", "nll"),
     "ECE members noisy": ("calibrations", "members_noisy", "in_distribution", "ece"),

@@ -23,9 +23,9 @@ import optax
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark.quality import evaluate, split_validation
-from ensembles.benchmark.quality_data import load_quality_data
-from ensembles.benchmark.quality_methods import (
+from ensembles.benchmark.quality.classification.mnist1d import load_quality_data
+from ensembles.benchmark.quality.classification.scores import evaluate
+from ensembles.benchmark.quality.methods import (
     BATCH_SIZE,
     FINETUNE_FRACTION,
     FINETUNE_INIT_STDDEV,
@@ -35,6 +35,7 @@ from ensembles.benchmark.quality_methods import (
     Trained,
     train_method,
 )
+from ensembles.benchmark.quality.run import split_validation
 
 E = 4
 THE_RECIPE = {

@@ -39,9 +39,10 @@ import sys
 import numpy as np
 
 import ensembles
-from ensembles.benchmark.quality import evaluate, split_validation
-from ensembles.benchmark.quality_methods import train_method
-from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
+from ensembles.benchmark.quality.classification.scores import evaluate
+from ensembles.benchmark.quality.methods import train_method
+from ensembles.benchmark.quality.run import split_validation
+from ensembles.benchmark.quality.tasks import TASK_MODELS, TASK_STEPS, load_task
 
 init = ensembles.initializers
 TASKS = ("mnist1d", "digits", "tabular")

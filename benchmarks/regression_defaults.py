@@ -16,7 +16,7 @@ on::
 
 A recipe is the beta-NLL exponent, whether the parameters of the best check
 of the validation NLL are kept (early stopping;
-``quality_methods.EARLY_STOPPING_CHECKS`` checks, 20 when the recipe was
+``quality.methods.EARLY_STOPPING_CHECKS`` checks, 20 when the recipe was
 chosen on 2026-11-26), and the steps (a multiple of the task's default);
 ``--inits`` compares BatchEnsemble's fast-weight inits under one recipe.
 """
@@ -27,11 +27,14 @@ import statistics
 import sys
 
 import ensembles
-from ensembles.benchmark.quality import split_validation
-from ensembles.benchmark.quality_methods import train_method
-from ensembles.benchmark.quality_regression import TargetScale, evaluate_regression
-from ensembles.benchmark.quality_tasks import TASK_STEPS, load_task
-from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.methods import train_method
+from ensembles.benchmark.quality.regression.scores import (
+    TargetScale,
+    evaluate_regression,
+)
+from ensembles.benchmark.quality.regression.tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.run import split_validation
+from ensembles.benchmark.quality.tasks import TASK_STEPS, load_task
 
 SEEDS = (10, 11)
 E = 4

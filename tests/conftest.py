@@ -33,7 +33,7 @@ if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and tu
 import jax
 import pytest
 
-from ensembles.benchmark import timing
+from ensembles.benchmark.cost import timing
 from ensembles.ops import platform
 from tests.formulations import use_formulation
 from tests.worker_exit import pytest_sessionfinish  # noqa: F401 (a hook)

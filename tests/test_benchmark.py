@@ -21,9 +21,9 @@ from ensembles.benchmark import (
     main,
     model_inputs,
     prepare_method,
-    report,
     run_benchmark,
 )
+from ensembles.benchmark.cost import report
 from tests.covering import covering
 from tests.tolerances import assert_close
 
@@ -524,7 +524,7 @@ def test_run_benchmark_says_a_one_output_model_fits_the_squared_error():
     )
     assert {row["loss"] for row in rows if row["mode"] == "train"} == {"squared error"}
     assert {row["loss"] for row in rows if row["mode"] == "forward"} == {None}
-    table = report._format_table(rows)
+    table = report.format_table(rows)
     forward, train = table.split("\n\nregressor train")
     assert "squared error" not in forward
     assert "Trained on the squared error of the model's one output" in train

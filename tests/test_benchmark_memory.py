@@ -13,11 +13,11 @@ from ensembles.benchmark import (
     cli,
     main,
     page_faults_per_call,
-    report,
     reuse_freed_memory,
     run_benchmark,
 )
-from ensembles.benchmark import timing as timing_module
+from ensembles.benchmark.cost import report
+from ensembles.benchmark.cost import timing as timing_module
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -122,7 +122,7 @@ def _rows(faults):
 
 
 def test_a_rows_page_faults_are_the_median_of_its_timed_calls(monkeypatch):
-    from ensembles.benchmark import speed
+    from ensembles.benchmark.cost import speed
 
     counted = {}
 
@@ -143,16 +143,16 @@ def test_a_rows_page_faults_are_the_median_of_its_timed_calls(monkeypatch):
 def test_the_table_names_the_steps_that_page_faulted():
     rows = _rows({"batchensemble": 24_671.5, "single": 999.0})
     for text, gap in (
-        (report._format_table(rows), "\n"),
-        (report._format_markdown(rows), "\n\n"),
+        (report.format_table(rows), "\n"),
+        (report.format_markdown(rows), "\n\n"),
     ):
         note = text.split("|")[-1] if gap == "\n\n" else text.splitlines()[-1]
         assert "Page faults per step: batchensemble (E=2) 24,672." in note
         assert "single" not in note  # under FAULTS_NOTED
         assert gap + "Page faults per step" in text  # Markdown: its own paragraph
     quiet = _rows({})
-    assert "Page faults" not in report._format_table(quiet)
-    assert "Page faults" not in report._format_markdown(quiet)
+    assert "Page faults" not in report.format_table(quiet)
+    assert "Page faults" not in report.format_markdown(quiet)
 
 
 @pytest.mark.parametrize("argv, reused", [([], True), (["--default-malloc"], False)])
@@ -165,7 +165,7 @@ def test_the_command_reuses_freed_memory_unless_asked_not_to(
         return lambda *a, **k: calls.append(name) or fn(*a, **k)
 
     monkeypatch.setattr(cli, "reuse_freed_memory", record("reuse", lambda: True))
-    for name in ("check_convertible", "_describe_device"):
+    for name in ("check_convertible", "describe_device"):
         monkeypatch.setattr(cli, name, record(name, getattr(cli, name)))
     tiny = ["--model", "linear", "--mode", "forward", "--members", "2", "--batch", "2"]
     path = tmp_path / "bench.json"
@@ -174,7 +174,7 @@ def test_the_command_reuses_freed_memory_unless_asked_not_to(
     )
     header = capsys.readouterr().out.splitlines()[0]
     # Set before JAX runs anything: the model check and the device query do.
-    assert calls == ["reuse"] * reused + ["check_convertible", "_describe_device"]
+    assert calls == ["reuse"] * reused + ["check_convertible", "describe_device"]
     assert header.endswith(
         "malloc keeps freed memory" if reused else "the default malloc"
     )
@@ -196,8 +196,8 @@ def test_the_table_names_the_rows_whose_times_spread_widely():
     median = single["median_s"]
     single["q1_s"], single["q3_s"] = 0.8 * median, 1.2 * median
     for text, gap in (
-        (report._format_table(rows), "\n"),
-        (report._format_markdown(rows), "\n\n"),
+        (report.format_table(rows), "\n"),
+        (report.format_markdown(rows), "\n\n"),
     ):
         expected = "Spread of ±10% or more over the rounds: single (E=2) ±20%."
         assert gap + expected in text
@@ -205,4 +205,4 @@ def test_the_table_names_the_rows_whose_times_spread_widely():
         # The page-fault note follows, a paragraph of its own in Markdown.
         assert gap + "Page faults per step: batchensemble" in text
     single["q1_s"], single["q3_s"] = 0.95 * median, 1.05 * median
-    assert "Spread of" not in report._format_table(rows)  # ±5%: under SPREAD_NOTED
+    assert "Spread of" not in report.format_table(rows)  # ±5%: under SPREAD_NOTED

@@ -13,22 +13,22 @@ import pytest
 import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
-from ensembles.benchmark.quality import METRICS, evaluate, split_validation
-from ensembles.benchmark.quality_calibration import noisy_validation
-from ensembles.benchmark.quality_data import (
-    SEVERITIES,
+from ensembles.benchmark.quality.calibration import noisy_validation
+from ensembles.benchmark.quality.classification.mnist1d import (
     SHIFTS,
-    QualityData,
     load_quality_data,
 )
-from ensembles.benchmark.quality_methods import (
+from ensembles.benchmark.quality.classification.scores import METRICS, evaluate
+from ensembles.benchmark.quality.data import SEVERITIES, QualityData
+from ensembles.benchmark.quality.methods import (
     EVAL_DRAWS,
     QUALITY_METHODS,
     Trained,
     train_method,
 )
-from ensembles.benchmark.quality_models import build_quality_model
-from ensembles.benchmark.quality_report import MIN_GAP, format_quality, summarize
+from ensembles.benchmark.quality.models import build_quality_model
+from ensembles.benchmark.quality.report import MIN_GAP, format_quality, summarize
+from ensembles.benchmark.quality.run import split_validation
 from tests.tolerances import assert_close
 
 pytest.importorskip("mnist1d")
@@ -391,7 +391,7 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
     # Every fit_temperature call must see the validation split and nothing
     # else: the logits of the held-out training rows and their labels; no
     # method may train on those rows; the test set never enters.
-    import ensembles.benchmark.quality as quality
+    import ensembles.benchmark.quality.run as quality
 
     fitted, trained_on = [], []
     original_fit = uncertainty.fit_temperature
@@ -479,7 +479,7 @@ def test_mutual_information_auroc_only_with_several_members(data, method, member
 
 @pytest.mark.slow
 def test_single_is_trained_once_per_seed_for_every_ensemble_size(data, monkeypatch):
-    import ensembles.benchmark.quality as quality
+    import ensembles.benchmark.quality.run as quality
 
     trained = []
     original = quality.train_method
@@ -877,7 +877,7 @@ def test_shifted_pairs_are_checked():
 
 
 def _no_training(monkeypatch):
-    import ensembles.benchmark.quality as quality
+    import ensembles.benchmark.quality.run as quality
 
     def refuse(*args, **kwargs):
         raise AssertionError("a method trained before every check ran")
@@ -936,7 +936,7 @@ def test_every_check_runs_before_any_training(monkeypatch, kwargs, message):
 def test_a_factory_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
     import sys
 
-    from ensembles.benchmark.models import load_factory
+    from ensembles.benchmark.arguments import load_factory
 
     (tmp_path / "my_model_here.py").write_text(
         "from flax import nnx\n"

@@ -15,24 +15,24 @@ from flax import nnx
 
 from ensembles import uncertainty
 from ensembles.benchmark import main
-from ensembles.benchmark.quality import run_quality, split_validation
-from ensembles.benchmark.quality_checks import check_run
-from ensembles.benchmark.quality_data import QualityData
-from ensembles.benchmark.quality_methods import MIN_STD, Trained
-from ensembles.benchmark.quality_plots import write_quality_plot
-from ensembles.benchmark.quality_regression import (
+from ensembles.benchmark.quality.checks import check_run
+from ensembles.benchmark.quality.data import QualityData
+from ensembles.benchmark.quality.methods import MIN_STD, Trained
+from ensembles.benchmark.quality.plots import write_quality_plot
+from ensembles.benchmark.quality.regression.scores import (
     REGRESSION_METRICS,
     TargetScale,
     evaluate_regression,
 )
-from ensembles.benchmark.quality_report import format_quality, summarize
-from ensembles.benchmark.regression_tasks import (
+from ensembles.benchmark.quality.regression.tasks import (
     REGRESSION_TASKS,
     load_concrete,
     load_concrete_data,
     load_cubic_data,
     load_hetero_sine_gap_data,
 )
+from ensembles.benchmark.quality.report import format_quality, summarize
+from ensembles.benchmark.quality.run import run_quality, split_validation
 
 # ------------------------------------------------------------------ the tasks
 

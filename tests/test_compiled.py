@@ -1,4 +1,4 @@
-"""The compiled-program reader and comparison (``ensembles.benchmark.compiled``).
+"""The compiled-program reader and comparison (``benchmark.cost.compiled``).
 
 On synthetic HLO written as XLA prints it (each backend's idioms: a TPU's
 batched matmul as a base-dilated convolution, its on-chip memory spaces and
@@ -17,10 +17,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ensembles.benchmark import chips, cli
-from ensembles.benchmark.compiled import Comparison, compare_programs, program_cost
-from ensembles.benchmark.hlo import parse_program
-from ensembles.benchmark.hlo_text import parse_instruction
+from ensembles.benchmark import cli
+from ensembles.benchmark.cost.compiled import chips
+from ensembles.benchmark.cost.compiled.hlo import parse_program
+from ensembles.benchmark.cost.compiled.hlo_text import parse_instruction
+from ensembles.benchmark.cost.compiled.programs import (
+    Comparison,
+    compare_programs,
+    program_cost,
+)
 
 
 def module(*lines, extra=""):

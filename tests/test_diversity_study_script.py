@@ -81,7 +81,7 @@ def test_the_report_says_when_no_recipe_is_as_confident_as_deep(
 
 
 def test_every_candidate_names_train_method_arguments(script):
-    from ensembles.benchmark.quality_methods import train_method
+    from ensembles.benchmark.quality.methods import train_method
 
     accepted = set(inspect.signature(train_method).parameters)
     for name, recipe in script.CANDIDATES.items():

@@ -7,18 +7,21 @@ import jax
 import numpy as np
 import pytest
 
-from ensembles.benchmark.quality_data import SEVERITIES, SHIFTS, load_quality_data
-from ensembles.benchmark.quality_tasks import (
-    DIGITS_SHIFTS,
+from ensembles.benchmark.quality.classification.mnist1d import (
     HARSH_SHIFTS,
-    TABULAR_SHIFTS,
-    TASKS,
-    load_digits_data,
+    SHIFTS,
     load_mnist1d_harsh_data,
-    load_tabular_data,
-    load_task,
+    load_quality_data,
 )
-from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.classification.tasks import (
+    DIGITS_SHIFTS,
+    TABULAR_SHIFTS,
+    load_digits_data,
+    load_tabular_data,
+)
+from ensembles.benchmark.quality.data import SEVERITIES
+from ensembles.benchmark.quality.regression.tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.tasks import TASKS, load_task
 
 pytest.importorskip("sklearn")
 

@@ -18,14 +18,14 @@ from scipy import optimize, stats
 
 from ensembles import training, uncertainty
 from ensembles.benchmark import QualityData
-from ensembles.benchmark.quality_methods import Trained
-from ensembles.benchmark.quality_regression import (
+from ensembles.benchmark.quality.methods import Trained
+from ensembles.benchmark.quality.regression.scores import (
     PIT_LEVELS,
     TargetScale,
     evaluate_regression,
 )
-from ensembles.benchmark.quality_report import summarize
-from ensembles.benchmark.quality_tables import gap_lines
+from ensembles.benchmark.quality.report import summarize
+from ensembles.benchmark.quality.tables import gap_lines
 
 BIG = np.array([3_000_000_000, 5], np.int64)  # beyond int32: wrapped without x64
 BIG_MEANS = jnp.array([[3e9, 5.0]])

@@ -1,11 +1,12 @@
 """Chips this machine lacks, as compile targets, for the compile tier's tests.
 
-:mod:`ensembles.benchmark.chips` gives meshes of compile-only devices (an H100
-from ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``, TPUs from ``libtpu``); here a
-missing compiler skips a test, or fails it in the compile tier (``tox -e
-compile-oldest / compile-newest`` set ``ENSEMBLES_COMPILE_TIER=1``). Nothing
-may run eagerly under such a mesh: build every model and argument abstractly.
-libtpu allows one process at a time.
+:mod:`ensembles.benchmark.cost.compiled.chips` gives meshes of compile-only
+devices (an H100 from ``jax-cuda12-plugin`` + ``jax-cuda12-pjrt``, TPUs from
+``libtpu``); here a missing compiler skips a test, or fails it in the compile
+tier (``tox -e compile-oldest / compile-newest`` set
+``ENSEMBLES_COMPILE_TIER=1``). Nothing may run eagerly under such a mesh:
+build every model and argument abstractly. libtpu allows one process at a
+time.
 """
 
 import itertools
@@ -15,7 +16,7 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ensembles.benchmark.chips import TPU_TOPOLOGIES, chip_mesh
+from ensembles.benchmark.cost.compiled.chips import TPU_TOPOLOGIES, chip_mesh
 from ensembles.experimental.pallas import BlockSizes, budget
 from ensembles.experimental.pallas.blocks import tiling
 

@@ -1,9 +1,10 @@
 """The compile tier: what a BatchEnsemble costs on the chips, pinned.
 
 For an H100 and two TPU generations (v5e, v4), the default path's compiled
-programs (``ensembles.benchmark.compiled``) against the plain model's on the
-same ``E*B`` rows: two dense layers, the benchmark's MLP and CNN, a forward
-and a full AdamW train step, float32 and bfloat16. Two kinds of checks:
+programs (``ensembles.benchmark.cost.compiled.programs``) against the plain
+model's on the same ``E*B`` rows: two dense layers, the benchmark's MLP and
+CNN, a forward and a full AdamW train step, float32 and bfloat16. Two kinds of
+checks:
 
 * the targets (``docs/cost.md``), relative to the plain program the same
   compiler wrote, so they hold on any jax: the flops, the matmul and
@@ -25,7 +26,7 @@ import sys
 import jax
 import pytest
 
-from ensembles.benchmark.compiled import compare_programs
+from ensembles.benchmark.cost.compiled.programs import compare_programs
 from tests.experimental import chips
 
 pytestmark = pytest.mark.compile

@@ -11,7 +11,7 @@ lists the options.
 """
 
 from ensembles.benchmark.cli import build_parser, main
-from ensembles.benchmark.methods import (
+from ensembles.benchmark.cost.methods import (
     LEARNING_RATE,
     METHODS,
     MODES,
@@ -20,7 +20,7 @@ from ensembles.benchmark.methods import (
     check_convertible,
     prepare_method,
 )
-from ensembles.benchmark.models import (
+from ensembles.benchmark.cost.models import (
     DEFAULT_IMAGE_SIZE,
     DEFAULT_WIDTHS,
     MODELS,
@@ -28,44 +28,39 @@ from ensembles.benchmark.models import (
     build_model,
     model_inputs,
 )
-from ensembles.benchmark.quality import (
-    METRICS,
-    VALIDATION_FRACTION,
-    evaluate,
-    run_quality,
-    split_validation,
-    validation_size,
-)
-from ensembles.benchmark.quality_checks import check_run
-from ensembles.benchmark.quality_data import (
-    SEVERITIES,
-    SHIFTS,
-    QualityData,
-    load_quality_data,
-)
-from ensembles.benchmark.quality_methods import (
-    QUALITY_METHODS,
-    Trained,
-    train_method,
-)
-from ensembles.benchmark.quality_models import QUALITY_MODELS, build_quality_model
-from ensembles.benchmark.quality_plots import write_quality_plot
-from ensembles.benchmark.quality_regression import (
-    REGRESSION_METRICS,
-    evaluate_regression,
-)
-from ensembles.benchmark.quality_report import (
-    format_quality,
-    summarize,
-)
-from ensembles.benchmark.speed import run_benchmark
-from ensembles.benchmark.timing import (
+from ensembles.benchmark.cost.speed import run_benchmark
+from ensembles.benchmark.cost.timing import (
     interleaved_times,
     median,
     page_faults_per_call,
     paired_ratio,
     quartiles,
     reuse_freed_memory,
+)
+from ensembles.benchmark.quality.checks import check_run
+from ensembles.benchmark.quality.classification.mnist1d import (
+    SHIFTS,
+    load_quality_data,
+)
+from ensembles.benchmark.quality.classification.scores import METRICS, evaluate
+from ensembles.benchmark.quality.data import SEVERITIES, QualityData
+from ensembles.benchmark.quality.methods import (
+    QUALITY_METHODS,
+    Trained,
+    train_method,
+)
+from ensembles.benchmark.quality.models import QUALITY_MODELS, build_quality_model
+from ensembles.benchmark.quality.plots import write_quality_plot
+from ensembles.benchmark.quality.regression.scores import (
+    REGRESSION_METRICS,
+    evaluate_regression,
+)
+from ensembles.benchmark.quality.report import format_quality, summarize
+from ensembles.benchmark.quality.run import (
+    VALIDATION_FRACTION,
+    run_quality,
+    split_validation,
+    validation_size,
 )
 
 __all__ = [

@@ -2,15 +2,27 @@
 
 Used by :mod:`ensembles.benchmark.cli` (``type=`` of its options); each raises
 ``argparse.ArgumentTypeError`` with the fix, which argparse prints with the
-option's name.
+option's name. :func:`load_factory` imports the model a ``--model
+package.module:factory`` names (a ``ValueError`` says why it cannot).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["choice_list", "int_list", "name_list", "positive_int", "shape"]
+__all__ = [
+    "choice_list",
+    "int_list",
+    "load_factory",
+    "name_list",
+    "positive_int",
+    "shape",
+]
 
 
 def positive_int(text: str) -> int:
@@ -112,3 +124,47 @@ def choice_list(
         return tuple(dict.fromkeys(expanded))
 
     return parse
+
+
+def load_factory(reference: str) -> Callable[..., Any]:
+    """Imports ``"package.module:factory"``: a user's model factory.
+
+    The working directory is searched first, as ``python -m`` and the
+    interpreter's prompt do, so ``--model mymodel:build`` finds
+    ``mymodel.py`` in the folder the command runs in.
+
+    >>> from ensembles.benchmark.arguments import load_factory
+    >>> load_factory("ensembles.benchmark.quality.models:build_quality_model")
+    <function build_quality_model at ...>
+
+    Args:
+      reference: the module's import path, a colon, the factory's name.
+
+    Returns:
+      The factory.
+
+    Raises:
+      ValueError: if the reference is malformed, the module cannot be
+        imported, or it has no such callable.
+    """
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"a model factory is named 'package.module:factory', got {reference!r}"
+        )
+    # A console script's sys.path starts with the script's folder, not the
+    # working directory that `python -m` would put there.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"cannot import {module_name!r} (searched the working directory "
+            f"{os.getcwd()} and the installed packages; if it lives elsewhere, "
+            f"add its folder to PYTHONPATH): {error}"
+        ) from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
+    return factory

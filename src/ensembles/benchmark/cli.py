@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import jax
 
 import ensembles
+from ensembles.benchmark.arguments import load_factory
 from ensembles.benchmark.cli_options import (
     EPILOG,
     EXTRA_HINT,
@@ -35,31 +36,23 @@ from ensembles.benchmark.cli_options import (
     add_quality_options,
     add_speed_options,
 )
-from ensembles.benchmark.compiled_report import format_comparisons, run_comparisons
-from ensembles.benchmark.methods import MODES, check_convertible
-from ensembles.benchmark.models import (
-    DEFAULT_IMAGE_SIZE,
-    MODELS,
-    load_factory,
+from ensembles.benchmark.cost.compiled.report import (
+    format_comparisons,
+    run_comparisons,
 )
-from ensembles.benchmark.quality import check_run, run_quality, validation_size
-from ensembles.benchmark.quality_methods import QUALITY_METHODS
-from ensembles.benchmark.quality_models import QUALITY_MODELS
-from ensembles.benchmark.quality_plots import write_quality_plot
-from ensembles.benchmark.quality_report import (
-    format_quality,
-    summarize,
-)
-from ensembles.benchmark.quality_tasks import TASK_MODELS, TASK_STEPS, load_task
-from ensembles.benchmark.report import (
-    _describe_device,
-    _format_markdown,
-    _format_table,
-    _write_json,
-    _write_plot,
-)
-from ensembles.benchmark.speed import run_benchmark
-from ensembles.benchmark.timing import reuse_freed_memory
+from ensembles.benchmark.cost.methods import MODES, check_convertible
+from ensembles.benchmark.cost.models import DEFAULT_IMAGE_SIZE, MODELS
+from ensembles.benchmark.cost.report import format_markdown, format_table, write_plot
+from ensembles.benchmark.cost.speed import run_benchmark
+from ensembles.benchmark.cost.timing import reuse_freed_memory
+from ensembles.benchmark.quality.checks import check_run
+from ensembles.benchmark.quality.methods import QUALITY_METHODS
+from ensembles.benchmark.quality.models import QUALITY_MODELS
+from ensembles.benchmark.quality.plots import write_quality_plot
+from ensembles.benchmark.quality.report import format_quality, summarize
+from ensembles.benchmark.quality.run import run_quality, validation_size
+from ensembles.benchmark.quality.tasks import TASK_MODELS, TASK_STEPS, load_task
+from ensembles.benchmark.report import describe_device, write_json
 
 __all__ = ["build_parser", "main"]
 
@@ -290,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.malloc_keeps_freed_memory = reused  # in the JSON's config
     with _one_report(args):
         if args.quality:
-            return _main_quality(args, _describe_device(), start)
+            return _main_quality(args, describe_device(), start)
         if args.compiled_for is not None:
             return _main_compiled(args, start)
         return _main_cost(args, start)
@@ -324,7 +317,7 @@ def _one_report(args: argparse.Namespace) -> Iterator[None]:
 def _main_cost(args: argparse.Namespace, start: float) -> int:
     """``main`` without ``--quality`` or ``--compiled-for``: time, print, write."""
     _check_convertible(args)
-    device = _describe_device()
+    device = describe_device()
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
         f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
@@ -349,11 +342,11 @@ def _main_cost(args: argparse.Namespace, start: float) -> int:
         seed=args.seed,
         progress=_progress(sys.stderr),
     )
-    print(_format_markdown(rows) if args.markdown else _format_table(rows))
+    print(format_markdown(rows) if args.markdown else format_table(rows))
     if args.json:
-        _write_json(rows, args.json, device=device, config=vars(args))
+        write_json(rows, args.json, device=device, config=vars(args))
     if args.plot:
-        _write_plot(rows, args.plot)
+        write_plot(rows, args.plot)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
@@ -386,10 +379,10 @@ def _main_compiled(args: argparse.Namespace, start: float) -> int:
         return 2
     print(format_comparisons(rows, markdown=args.markdown))
     if args.json:
-        _write_json(
+        write_json(
             [row.as_dict() for row in rows],
             args.json,
-            device=_describe_device(),
+            device=describe_device(),
             config=vars(args),
         )
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
@@ -457,7 +450,7 @@ def _main_quality(
     summary = summarize(rows)
     print(format_quality(summary, markdown=args.markdown))
     if args.json:
-        _write_json(rows, args.json, device=device, config=vars(args), summary=summary)
+        write_json(rows, args.json, device=device, config=vars(args), summary=summary)
     if args.plot:
         write_quality_plot(summary, args.plot)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)

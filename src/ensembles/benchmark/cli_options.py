@@ -17,14 +17,15 @@ from ensembles.benchmark.arguments import (
     positive_int,
     shape,
 )
-from ensembles.benchmark.chips import CHIPS
-from ensembles.benchmark.compiled import DTYPES
-from ensembles.benchmark.methods import MODES
-from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
-from ensembles.benchmark.quality_methods import QUALITY_METHODS
-from ensembles.benchmark.quality_models import QUALITY_MODELS
-from ensembles.benchmark.quality_tasks import CLASSIFICATION_TASKS, TASK_STEPS, TASKS
-from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
+from ensembles.benchmark.cost.compiled.chips import CHIPS
+from ensembles.benchmark.cost.compiled.programs import DTYPES
+from ensembles.benchmark.cost.methods import MODES
+from ensembles.benchmark.cost.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, MODELS
+from ensembles.benchmark.quality.classification.tasks import CLASSIFICATION_TASKS
+from ensembles.benchmark.quality.methods import QUALITY_METHODS
+from ensembles.benchmark.quality.models import QUALITY_MODELS
+from ensembles.benchmark.quality.regression.tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.tasks import TASK_STEPS, TASKS
 
 __all__ = [
     "EPILOG",

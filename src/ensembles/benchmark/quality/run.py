@@ -1,72 +1,48 @@
-"""``ensembles-bench --quality``: what does an ensemble of E buy?
+"""The quality benchmark's driver: train every method, measure it, one row each.
 
-It trains one model, a BatchEnsemble, a deep ensemble and the other methods
-(:mod:`~ensembles.benchmark.quality_methods`) on a task's training set
-(:mod:`~ensembles.benchmark.quality_tasks`, or a user's
-:class:`~ensembles.benchmark.quality_data.QualityData`) and measures, with
-:mod:`ensembles.uncertainty`, their accuracy, NLL, ECE, Brier score and AURC
-in distribution and at every severity of shift, and how well total entropy
-and mutual information tell out-of-distribution examples from test examples.
-Regression data (``QualityData(..., regression=True)``) are measured by
-:mod:`~ensembles.benchmark.quality_regression` instead: the members'
-Gaussians as their exact mixture, RMSE, NLL, CRPS, calibration and
-intervals.
-
-Every method is measured twice: **as trained**, and **recalibrated**, with
-one temperature of its own (:func:`ensembles.uncertainty.fit_temperature`,
-pool then calibrate; a regressor: one scale of its predictive's spread)
-fitted on a validation split held out of the training data, never the test
-set. The recalibrated figures are the fair comparison: a method that is only
-over- or underconfident gains from its temperature what any other would.
+:func:`run_quality` checks every model and method against the data
+(:mod:`~ensembles.benchmark.quality.checks`), holds a validation split out
+of the training set (:func:`split_validation`), trains every method
+(:mod:`~ensembles.benchmark.quality.methods`) and measures it with its
+kind's scores: a classifier's by
+:func:`~ensembles.benchmark.quality.classification.scores.evaluate`, a
+regressor's (trained on standardised targets) by
+:func:`~ensembles.benchmark.quality.regression.scores.evaluate_regression`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ensembles import uncertainty
-from ensembles.benchmark.quality_calibration import (
-    CALIBRATIONS,
-    cached,
-    calibrate_classifier,
-    diversity,
-)
-from ensembles.benchmark.quality_checks import check_run
-from ensembles.benchmark.quality_data import QualityData, load_quality_data
-from ensembles.benchmark.quality_methods import (
+from ensembles.benchmark.quality.checks import check_run
+from ensembles.benchmark.quality.classification.mnist1d import load_quality_data
+from ensembles.benchmark.quality.classification.scores import evaluate
+from ensembles.benchmark.quality.data import QualityData
+from ensembles.benchmark.quality.methods import (
     FINETUNE_FRACTION,
     QUALITY_METHODS,
     STEPS,
     Trained,
     train_method,
 )
-from ensembles.benchmark.quality_models import ModelSpec, model_name
-from ensembles.benchmark.quality_regression import (
+from ensembles.benchmark.quality.models import ModelSpec
+from ensembles.benchmark.quality.regression.scores import (
     TargetScale,
     evaluate_regression,
-    nan_like,
 )
+from ensembles.benchmark.report import model_name
 
 __all__ = [
-    "METRICS",
     "MIN_REGRESSION_VALIDATION",
     "MIN_VALIDATION",
     "VALIDATION_FRACTION",
-    "evaluate",
     "run_quality",
     "split_validation",
     "validation_size",
 ]
-
-#: The metrics of a labelled set, each from :mod:`ensembles.uncertainty`
-#: (``aurc``: the area under the risk-coverage curve, selective prediction).
-METRICS: tuple[str, ...] = ("accuracy", "nll", "ece", "brier", "aurc")
 
 #: The share of the training set held out (when the data has no validation
 #: set of its own) to fit every method's temperature on; no method trains on
@@ -85,12 +61,6 @@ MIN_VALIDATION: int = 300
 #: example informs one scale of the spread, so far fewer identify it.
 MIN_REGRESSION_VALIDATION: int = 50
 
-#: The temperatures :func:`evaluate` fits within (those of
-#: :func:`ensembles.uncertainty.fit_temperature`).
-TEMPERATURE_BOUNDS: tuple[float, float] = (0.05, 20.0)
-
-_MEASURED = ("in_distribution", "shift", "shift_mean", "ood")
-
 _SPLIT_SEED = 20261126  # the validation split is the same for every seed
 
 
@@ -99,7 +69,7 @@ def validation_size(
 ) -> int:
     """How many of ``count`` training examples :func:`split_validation` holds out.
 
-    >>> from ensembles.benchmark.quality import validation_size
+    >>> from ensembles.benchmark.quality.run import validation_size
     >>> validation_size(8000), validation_size(1197), validation_size(100)
     (800, 300, 50)
     >>> validation_size(458, regression=True), validation_size(5000, regression=True)
@@ -123,8 +93,8 @@ def split_validation(
     touched.
 
     >>> import numpy as np
-    >>> from ensembles.benchmark.quality import split_validation
-    >>> from ensembles.benchmark.quality_data import load_quality_data
+    >>> from ensembles.benchmark.quality.run import split_validation
+    >>> from ensembles.benchmark import load_quality_data
     >>> data = load_quality_data(num_train=100, num_test=50, num_shifted=20)
     >>> train, x_valid, y_valid = split_validation(data)
     >>> train.x_train.shape, x_valid.shape          # half: fewer than 600
@@ -170,161 +140,6 @@ def split_validation(
     return kept, x_train[valid], y_train[valid]
 
 
-@jax.jit
-def _metric_values(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
-    # One compiled program per set's shape instead of every metric's ops one
-    # by one (labels were checked when the data were built).
-    return {name: getattr(uncertainty, name)(logits, labels) for name in METRICS}
-
-
-def _metrics(logits: jax.Array, labels: np.ndarray) -> dict[str, float]:
-    values = _metric_values(logits, jnp.asarray(labels))
-    return {name: float(values[name]) for name in METRICS}
-
-
-def _ood(score: Callable, logits_in: jax.Array, logits_out: jax.Array) -> tuple:
-    """AUROC and FPR at 95% TPR of ``score`` telling out- from in-distribution."""
-    scores_in, scores_out = score(logits_in), score(logits_out)
-    return (
-        float(uncertainty.auroc(scores_in, scores_out)),
-        float(uncertainty.fpr_at_tpr(scores_in, scores_out, tpr=0.95)),
-    )
-
-
-def _measure_sets(predict: Callable, data: QualityData, mutual_information: bool):
-    """Every set's metrics for one predictor of ``[E, N, C]`` logits."""
-    logits_in = predict(data.x_test)
-    result: dict[str, Any] = {"in_distribution": _metrics(logits_in, data.y_test)}
-    shift = []
-    for severity, families in data.shifted.items():
-        per_family = [_metrics(predict(x), y) for x, y in families.values()]
-        shift.append(
-            {
-                "severity": severity,
-                **{m: float(np.mean([f[m] for f in per_family])) for m in METRICS},
-            }
-        )
-    result["shift"] = shift
-    result["shift_mean"] = {
-        m: float(np.mean([level[m] for level in shift])) for m in METRICS
-    }
-    ood = {}
-    for name, x in data.ood.items():
-        logits_out = predict(x)
-        auroc_h, fpr_h = _ood(uncertainty.total_entropy, logits_in, logits_out)
-        scores = {"auroc_entropy": auroc_h, "fpr95_entropy": fpr_h}
-        if mutual_information:
-            if logits_in.shape[0] == 1:  # one member: mutual information is 0
-                auroc_mi = fpr_mi = None
-            else:
-                auroc_mi, fpr_mi = _ood(
-                    uncertainty.mutual_information, logits_in, logits_out
-                )
-            scores.update(auroc_mi=auroc_mi, fpr95_mi=fpr_mi)
-        ood[name] = scores
-    result["ood"] = ood
-    return result
-
-
-def evaluate(
-    trained: Trained,
-    data: QualityData,
-    *,
-    x_valid: np.ndarray,
-    y_valid: np.ndarray,
-) -> dict[str, Any]:
-    """Measures a trained method on every test set, as trained and recalibrated.
-
-    Shift metrics at a severity are the means over that severity's shift
-    families of the metrics of each family's set (as CIFAR-10-C results
-    average over corruptions). The recalibrated figures are those of the
-    method's pooled predictive at one temperature
-    (:func:`ensembles.uncertainty.scale_temperature`), fitted by
-    :func:`ensembles.uncertainty.fit_temperature` on ``(x_valid, y_valid)``
-    alone.
-
-    Args:
-      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`.
-      data: the test, shifted and out-of-distribution sets.
-      x_valid: held-out examples the method was not trained on (never test
-        examples), to fit the temperature on.
-      y_valid: their labels.
-
-    Returns:
-      ``{"in_distribution": {metric: value}, "shift": [{"severity": s,
-      metric: value, ...}, ...], "shift_mean": {metric: mean over
-      severities}, "ood": {set: {"auroc_entropy": a, "auroc_mi": a,
-      "fpr95_entropy": f, "fpr95_mi": f}}, "temperature": T,
-      "temperature_at_bound": bool, "recalibrated": {the same but for "ood":
-      entropy only}}``. ``temperature_at_bound`` says the fit ended at one of
-      :data:`TEMPERATURE_BOUNDS`: the validation set did not identify T (at
-      the lower bound: typically no error on it, where the NLL falls as T ->
-      0), and the recalibrated figures are not to be trusted. The
-      ``ood`` entries tell the set from the test set by total entropy and by
-      mutual information (AUROC, and the false-positive rate at 95% true
-      positives); the ``_mi`` entries are ``None`` where there is one member
-      (``single``, or E = 1): its mutual information is 0 everywhere.
-      Recalibration pools the members before scaling, so the members'
-      disagreement, and with it the mutual information, is that of the
-      method as trained: ``recalibrated["ood"]`` has the entropy scores only.
-      ``diverged`` says the method's logits on the validation set hold a NaN
-      or infinity (training diverged): no temperature is fitted, its
-      recalibrated figures are NaN, and the other methods' rows stand.
-    """
-    predict = cached(trained.predict)  # every calibration measures the same logits
-    valid = predict(x_valid)
-    diverged = not bool(jnp.isfinite(valid).all())
-    temperature = math.nan
-    if not diverged:
-        temperature = float(
-            uncertainty.fit_temperature(
-                valid, np.asarray(y_valid), bounds=TEMPERATURE_BOUNDS
-            )
-        )
-    result = _measure_sets(predict, data, mutual_information=True)
-    result["diversity"] = diversity(predict, _diversity_sets(data), regression=False)
-    result["temperature"] = temperature
-    # At a bound the validation set did not identify T (no errors on it, say).
-    result["temperature_at_bound"] = any(
-        math.isclose(temperature, bound, rel_tol=1e-3) for bound in TEMPERATURE_BOUNDS
-    )
-    result["diverged"] = diverged
-    if diverged:
-        as_trained = {k: v for k, v in result.items() if k in _MEASURED}
-        result["recalibrated"] = nan_like(as_trained)
-        result["calibrations"] = {
-            name: nan_like({"temperature": 0, **_in_and_shift(as_trained)})
-            for name in CALIBRATIONS
-        }
-        return result
-
-    def recalibrated(x: np.ndarray) -> jax.Array:
-        return uncertainty.scale_temperature(predict(x), temperature)
-
-    result["recalibrated"] = _measure_sets(recalibrated, data, mutual_information=False)
-
-    def measure(transform):
-        return _in_and_shift(
-            _measure_sets(
-                lambda x: transform(predict(x)), data, mutual_information=False
-            )
-        )
-
-    result["calibrations"] = calibrate_classifier(
-        predict, measure, data.x_train, x_valid, y_valid, TEMPERATURE_BOUNDS
-    )
-    return result
-
-
-def _in_and_shift(measured: dict[str, Any]) -> dict[str, Any]:
-    return {key: measured[key] for key in ("in_distribution", "shift_mean")}
-
-
-def _diversity_sets(data: QualityData) -> dict[str, list[np.ndarray]]:
-    shifted = [x for families in data.shifted.values() for x, _ in families.values()]
-    return {"in_distribution": [data.x_test], "shift_mean": shifted}
-
-
 def run_quality(
     *,
     models: Sequence[ModelSpec] = ("cnn",),
@@ -339,14 +154,14 @@ def run_quality(
 
     Every method trains on the training set less a validation split
     (:func:`split_validation`), on which each fits its temperature. The rows
-    are per seed; :func:`~ensembles.benchmark.quality_report.summarize`
+    are per seed; :func:`~ensembles.benchmark.quality.report.summarize`
     gives means and standard deviations, and
-    :func:`~ensembles.benchmark.quality_report.format_quality` the tables
+    :func:`~ensembles.benchmark.quality.report.format_quality` the tables
     (of rows or of a summary).
 
     Without ``data`` it runs the built-in MNIST-1D task
-    (:func:`~ensembles.benchmark.quality_data.load_quality_data`; ``models``
-    names from ``QUALITY_MODELS``). Your own classifier and data: a factory
+    (:func:`~ensembles.benchmark.quality.classification.mnist1d.load_quality_data`;
+    ``models`` names from ``QUALITY_MODELS``). Your own classifier and data: a factory
     ``rngs -> nnx.Module`` (rows are named after it) and a
     :class:`QualityData` of your arrays, with whatever severities and shift
     families they have:
@@ -379,19 +194,19 @@ def run_quality(
 
     Args:
       models: names from
-        :data:`~ensembles.benchmark.quality_models.QUALITY_MODELS`, or
+        :data:`~ensembles.benchmark.quality.models.QUALITY_MODELS`, or
         factories ``rngs -> nnx.Module`` of classifiers of ``data``'s
         examples (``mc_dropout`` calls them with a ``dropout`` keyword too).
       members: ensemble sizes E.
       seeds: seeds of parameters, batches and dropout (the data are fixed).
       methods: names from
-        :data:`~ensembles.benchmark.quality_methods.QUALITY_METHODS`.
+        :data:`~ensembles.benchmark.quality.methods.QUALITY_METHODS`.
       steps: training steps of every method; ``finetuned`` fine-tunes the
         trained ``single`` model of the same seed (trained once, whether or
         not ``single`` is in ``methods``) for ``FINETUNE_FRACTION`` of them,
         and its row's ``steps`` counts only those.
       data: the data; ``None`` generates the standard MNIST-1D sets
-        (:func:`~ensembles.benchmark.quality_data.load_quality_data`).
+        (:func:`~ensembles.benchmark.quality.classification.mnist1d.load_quality_data`).
       progress: called with a status line before each training, and with
         ``""`` at the end.
 
@@ -400,7 +215,7 @@ def run_quality(
       ``regression``, ``method``, ``model``, ``members``, ``seed``,
       ``steps``, ``train_examples``, ``validation_examples``, ``params``,
       ``train_s`` and the measurements of :func:`evaluate` (regression: of
-      :func:`~ensembles.benchmark.quality_regression.evaluate_regression`;
+      :func:`~ensembles.benchmark.quality.regression.scores.evaluate_regression`;
       the methods train on targets standardised with the training split's
       mean and standard deviation, keep the parameters of their best of 40
       checks of the validation split's NLL, ``best_step``, and are scored in

@@ -1,4 +1,4 @@
-"""Cells, rows and titles the quality tables share (classification and regression).
+"""Cells, rows and titles the quality tables and plots share (both kinds of task).
 
 Every cell is a mean over seeds, followed by the standard deviation over
 seeds when there are several; ``n/a`` where a figure does not exist (one
@@ -8,7 +8,11 @@ member's mutual information, say); ``nan`` where a method diverged.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
+
+from ensembles.benchmark.quality.calibration import NOISE_STRENGTHS
+from ensembles.benchmark.report import render_table
 
 __all__ = [
     "best_row",
@@ -16,7 +20,10 @@ __all__ = [
     "cell",
     "gap_lines",
     "groups_of",
+    "mean_and_std",
+    "mean_cell",
     "method_label",
+    "severity_table",
     "title",
 ]
 
@@ -39,6 +46,20 @@ def cell(stats: dict[str, float | None] | None, seeds: int) -> str:
         return "n/a"
     text = f"{stats['mean']:.3f}"
     return f"{text} ± {stats['std']:.3f}" if seeds > 1 else text
+
+
+def mean_cell(stats: dict[str, float | None] | None) -> str:
+    """The mean of a summary's ``{"mean", "std"}`` alone (``n/a`` if none)."""
+    if stats is None or stats.get("mean") is None:
+        return "n/a"
+    return f"{stats['mean']:.3f}"
+
+
+def mean_and_std(stats: Any) -> tuple[float, float]:
+    """A summary's ``{"mean", "std"}`` as a pair; a row's number, with 0."""
+    if isinstance(stats, dict):
+        return stats["mean"], stats["std"]
+    return stats, 0.0
 
 
 def groups_of(summary: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
@@ -68,6 +89,44 @@ def best_row(group, columns) -> list[str]:
         winners = [method for value, method in scored if value == best]
         cells.append("(tie)" if len(winners) == len(scored) else ", ".join(winners))
     return cells
+
+
+def severity_table(
+    group: list[dict[str, Any]],
+    part: str | None,
+    metrics: tuple[str, ...],
+    name: Callable[[dict[str, Any]], str],
+) -> tuple[list[str], list[list[str]]]:
+    """Each method's ``metrics`` (means, ``" / "``-joined) by shift severity.
+
+    Args:
+      group: the summary entries of one task, model and E.
+      part: ``"recalibrated"``, or ``None`` for the figures as trained.
+      metrics: the figures of every cell.
+      name: a row's first cell, from its entry.
+
+    Returns:
+      ``(header, rows)``: a column for the test set, then one per severity.
+    """
+
+    def of(entry):
+        return entry if part is None else entry[part]
+
+    header = [
+        "method",
+        "test",
+        *(f"shift {lv['severity']}" for lv in of(group[0])["shift"]),
+    ]
+    rows = []
+    for entry in group:
+        levels = [of(entry)["in_distribution"], *of(entry)["shift"]]
+        rows.append(
+            [
+                name(entry),
+                *(" / ".join(mean_cell(lv.get(m)) for m in metrics) for lv in levels),
+            ]
+        )
+    return header, rows
 
 
 def title(group: list[dict[str, Any]]) -> str:
@@ -161,14 +220,14 @@ def _calibrated(entry: dict[str, Any], where: str) -> dict[str, Any] | None:
 
 
 def calibration_tables(
-    group: list[dict[str, Any]], *, second: str, markdown: bool, render
+    group: list[dict[str, Any]], *, second: str, markdown: bool
 ) -> list[str]:
     """Each method at every calibration, and its members' diversity: text lines.
 
     The first table gives the NLL in distribution and under shift (the mean
     over severities), the second ``second`` (``"ece"``, or a regressor's
     ``"coverage90"``) likewise, for every method as trained and at each
-    calibration of :mod:`~ensembles.benchmark.quality_calibration`; the last
+    calibration of :mod:`~ensembles.benchmark.quality.calibration`; the last
     the members' diversity as trained. Nothing where the entries have no
     ``calibrations`` (results of an older run).
     """
@@ -186,26 +245,28 @@ def calibration_tables(
                     cells.append("n/a")
                     continue
                 values = [
-                    _short(figures[part].get(metric))
+                    mean_cell(figures[part].get(metric))
                     for part in ("in_distribution", "shift_mean")
                 ]
                 cells.append(" / ".join(values))
             table.append(cells)
         return table
 
+    fitted = "temperature" if second == "ece" else "std scale"
+    strengths = ", ".join(f"{s:g}" for s in NOISE_STRENGTHS)
     lines = [
         "",
         "NLL in distribution / under shift, as trained and at each calibration "
-        "(pooled: one temperature of the pooled predictive; members: one per "
+        f"(pooled: one {fitted} of the pooled predictive; members: one per "
         "member, then pooled; noisy: fitted on the held-out examples and copies "
-        "with Gaussian noise of 0.05, 0.1, 0.2 training-input standard deviations):",
+        f"with Gaussian noise of {strengths} training-input standard deviations):",
         "",
-        render(header, rows("nll"), markdown=markdown, left=0),
+        render_table(header, rows("nll"), markdown=markdown, left=0),
         "",
         f"{'ECE' if second == 'ece' else '90% coverage'} in distribution / under "
         f"shift, the same calibrations:",
         "",
-        render(header, rows(second), markdown=markdown, left=0),
+        render_table(header, rows(second), markdown=markdown, left=0),
     ]
     diverse = [entry for entry in group if "diversity" in entry]
     if diverse:
@@ -219,14 +280,14 @@ def calibration_tables(
             "",
             "The members' diversity as trained, in distribution / under shift:",
             "",
-            render(
+            render_table(
                 ["method", *(names.get(k, k) for k in keys)],
                 [
                     [
                         entry["method"],
                         *(
                             " / ".join(
-                                _short(entry["diversity"][part].get(key))
+                                mean_cell(entry["diversity"][part].get(key))
                                 for part in ("in_distribution", "shift_mean")
                             )
                             for key in keys
@@ -239,9 +300,3 @@ def calibration_tables(
             ),
         ]
     return lines
-
-
-def _short(stats: dict[str, float | None] | None) -> str:
-    if stats is None or stats.get("mean") is None:
-        return "n/a"
-    return f"{stats['mean']:.3f}"

@@ -26,15 +26,22 @@ import numpy as np
 
 from ensembles import training, uncertainty
 from ensembles._checks import as_real_array
-from ensembles.benchmark.quality_calibration import (
+from ensembles.benchmark.quality.calibration import (
     CALIBRATIONS,
     cached,
     calibrate_regressor,
     diversity,
+    diversity_sets,
 )
-from ensembles.benchmark.quality_data import QualityData
-from ensembles.benchmark.quality_methods import MIN_STD, Trained
-from ensembles.benchmark.quality_training import gaussian_pairs
+from ensembles.benchmark.quality.data import QualityData
+from ensembles.benchmark.quality.measures import (
+    at_bound,
+    detection,
+    nan_like,
+    over_shifts,
+)
+from ensembles.benchmark.quality.methods import MIN_STD, Trained
+from ensembles.benchmark.quality.training import gaussian_pairs
 
 __all__ = [
     "PIT_LEVELS",
@@ -42,7 +49,6 @@ __all__ = [
     "SCALE_BOUNDS",
     "TargetScale",
     "evaluate_regression",
-    "nan_like",
 ]
 
 #: The metrics of a set with targets, each in the targets' units: the RMSE
@@ -144,13 +150,6 @@ def _total(variance: jax.Array) -> np.ndarray:
     return variance if variance.ndim == 1 else variance.sum(axis=-1)
 
 
-def _ood(scores_in: np.ndarray, scores_out: np.ndarray) -> tuple[float, float]:
-    return (
-        float(uncertainty.auroc(scores_in, scores_out)),
-        float(uncertainty.fpr_at_tpr(scores_in, scores_out, tpr=0.95)),
-    )
-
-
 def _measure_sets(
     predict: Callable, data: QualityData, quantile: float | None, ood: bool
 ) -> dict[str, Any]:
@@ -173,23 +172,9 @@ def _measure_sets(
         result["in_distribution"]["aleatoric_log_sd_rmse"] = float(
             np.sqrt(np.mean(error**2))
         )
-    shift = []
-    for severity, families in data.shifted.items():
-        per_family = [_metrics(predict(x), y, quantile) for x, y in families.values()]
-        shift.append(
-            {
-                "severity": severity,
-                **{
-                    m: float(np.mean([f[m] for f in per_family])) for m in per_family[0]
-                },
-            }
-        )
-    result["shift"] = shift
-    result["shift_mean"] = {
-        m: float(np.mean([level[m] for level in shift]))
-        for m in shift[0]
-        if m != "severity"
-    }
+    result["shift"], result["shift_mean"] = over_shifts(
+        lambda x, y: _metrics(predict(x), y, quantile), data.shifted
+    )
     if ood:
         result["ood"] = _ood_scores(members_in, predict, data)
     if np.shape(data.x_test)[1:] == (1,):
@@ -232,7 +217,7 @@ def _ood_scores(members_in, predict: Callable, data: QualityData) -> dict:
     scores = {}
     for name, x in data.ood.items():
         members_out = predict(x)
-        auroc_total, fpr_total = _ood(
+        auroc_total, fpr_total = detection(
             total_in, _total(uncertainty.mixture_variance(*members_out))
         )
         entry = {"auroc_total": auroc_total, "fpr95_total": fpr_total}
@@ -240,22 +225,10 @@ def _ood_scores(members_in, predict: Callable, data: QualityData) -> dict:
             entry.update(auroc_epistemic=None, fpr95_epistemic=None)
         else:
             epistemic_out = _total(uncertainty.epistemic_variance(*members_out))
-            auroc, fpr = _ood(epistemic_in, epistemic_out)
+            auroc, fpr = detection(epistemic_in, epistemic_out)
             entry.update(auroc_epistemic=auroc, fpr95_epistemic=fpr)
         scores[name] = entry
     return scores
-
-
-def nan_like(tree: Any) -> Any:
-    """A measurement tree with every number NaN (labels and ``None`` kept).
-
-    What a diverged method's figures are: no number that looks measured.
-    """
-    if isinstance(tree, dict):
-        return {k: v if k == "severity" else nan_like(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [nan_like(v) for v in tree]
-    return None if tree is None else math.nan
 
 
 def evaluate_regression(
@@ -277,7 +250,7 @@ def evaluate_regression(
     intervals hold).
 
     Args:
-      trained: from :func:`~ensembles.benchmark.quality_methods.train_method`
+      trained: from :func:`~ensembles.benchmark.quality.methods.train_method`
         with ``regression=True``, on targets standardised by ``scale``.
       data: the test, shifted and out-of-distribution sets (targets in their
         own units).
@@ -320,15 +293,10 @@ def evaluate_regression(
             uncertainty.fit_conformal_quantile(*valid, np.asarray(y_valid), _LEVEL)
         )
     result = _measure_sets(predict, data, None if diverged else conformal, ood=True)
-    shifted = [x for families in data.shifted.values() for x, _ in families.values()]
-    result["diversity"] = diversity(
-        predict, {"in_distribution": [data.x_test], "shift_mean": shifted}, True
-    )
+    result["diversity"] = diversity(predict, diversity_sets(data), regression=True)
     result.update(
         std_scale=std_scale,
-        std_scale_at_bound=any(
-            math.isclose(std_scale, bound, rel_tol=1e-3) for bound in SCALE_BOUNDS
-        ),
+        std_scale_at_bound=at_bound(std_scale, SCALE_BOUNDS),
         conformal_quantile=conformal,
         diverged=diverged,
     )

@@ -4,8 +4,10 @@
 the device, the seed's keys), :func:`objective` the loss of member-major
 outputs (cross entropy of a classifier's logits, or the (beta-)NLL of a
 regressor's Gaussian head), :func:`optimizer` the optimizers and
-:func:`train_steps` the jitted loop. The recipes themselves, and the
-constants they use, are :mod:`~ensembles.benchmark.quality_methods`'.
+:func:`train_steps` the jitted loop; :func:`fast_weight_options`,
+:func:`independent_head_options` and :func:`reinit_first_layer` shape a
+conversion. The recipes themselves, and the constants they use, are
+:mod:`~ensembles.benchmark.quality.methods`'.
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.nn.initializers import Initializer
 
 import ensembles
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles._graph import in_construction_order
-from ensembles.benchmark.quality_models import ModelSpec, build_model
+from ensembles.benchmark.quality.models import ModelSpec, build_model
 
 __all__ = [
     "Context",
+    "fast_weight_options",
     "gaussian_pairs",
     "independent_head_options",
     "objective",
     "optimizer",
+    "reinit_first_layer",
     "train_steps",
     "validation_loss",
 ]
@@ -281,3 +286,41 @@ def independent_head_options(model: nnx.Module) -> dict[str, Any]:
         "independent": lambda path, node: node is head,
         "independent_init": nnx.initializers.lecun_normal(),
     }
+
+
+def fast_weight_options(
+    method: str,
+    fast_weight_init: Initializer | tuple[Initializer, Initializer] | None,
+    prior_stddev: float | None,
+    stddev_init: Initializer | None,
+) -> dict[str, Any]:
+    """``to_batch_ensemble``'s keyword arguments for ``batchensemble``/``rank1``."""
+    if fast_weight_init is None:
+        options = {}
+    elif isinstance(fast_weight_init, tuple):
+        options = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
+    else:
+        options = {"r_init": fast_weight_init, "s_init": fast_weight_init}
+    if method == "rank1":
+        options["posterior"] = "gaussian"
+        if prior_stddev is not None:
+            options["prior_stddev"] = prior_stddev
+        if stddev_init is not None:
+            options["stddev_init"] = stddev_init
+    return options
+
+
+def reinit_first_layer(
+    net: nnx.Module, inits: tuple[Initializer, Initializer], key: jax.Array
+) -> None:
+    """Draws the first BatchEnsemble layer's ``r`` and ``s`` from ``inits``."""
+    first = next(
+        node
+        for _, node in nnx.iter_graph(net)
+        if isinstance(node, ensembles.layers.BatchEnsembleModule)
+    )
+    r_key, s_key = jax.random.split(key)
+    for variable, init, init_key in zip(
+        (first.r, first.s), inits, (r_key, s_key), strict=True
+    ):
+        variable[...] = init(init_key, variable.shape, variable.dtype)

@@ -1,6 +1,6 @@
 """Regression tasks of the quality benchmark, with shifts and OOD sets, offline.
 
-Each loader returns a :class:`~ensembles.benchmark.quality_data.QualityData`
+Each loader returns a :class:`~ensembles.benchmark.quality.data.QualityData`
 with ``regression=True``: float32 inputs standardised with the training
 set's mean and standard deviation, float32 targets ``[N]`` in their own units
 (the benchmark standardises them for training and reports every score in
@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ensembles.benchmark.quality_data import SEVERITIES, QualityData
+from ensembles.benchmark.quality.data import SEVERITIES, QualityData
 
 __all__ = [
     "FRIEDMAN_SHIFTS",
@@ -127,7 +127,7 @@ def _symmetric_band(low: float, high: float, count: int, rng) -> np.ndarray:
 def load_cubic_data(*, seed: int = 0) -> QualityData:
     """The deep ensembles paper's toy, ``y = x^3 + N(0, 3^2)``, 20 points.
 
-    >>> from ensembles.benchmark.regression_tasks import load_cubic_data
+    >>> from ensembles.benchmark.quality.regression.tasks import load_cubic_data
     >>> data = load_cubic_data()
     >>> data.x_train.shape, data.x_valid.shape, data.x_test.shape, data.regression
     ((20, 1), (20, 1), (1000, 1), True)
@@ -138,7 +138,7 @@ def load_cubic_data(*, seed: int = 0) -> QualityData:
       seed: the seed of every draw.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData` (cached per
+      The :class:`~ensembles.benchmark.quality.data.QualityData` (cached per
       seed: the arrays are shared, do not write to them).
     """
     x_train, x_valid, x_test = (
@@ -185,7 +185,8 @@ def _outside_gap(count: int, rng: np.random.Generator) -> np.ndarray:
 def load_hetero_sine_gap_data(*, seed: int = 0) -> QualityData:
     """``y = x sin x`` with noise growing in ``x``, a gap in the training inputs.
 
-    >>> from ensembles.benchmark.regression_tasks import load_hetero_sine_gap_data
+    >>> from ensembles.benchmark.quality.regression.tasks import (
+    ...     load_hetero_sine_gap_data)
     >>> data = load_hetero_sine_gap_data()
     >>> data.x_train.shape, sorted(data.shifted[1]), data.noise_std.shape
     ((2000, 1), ['extrapolation', 'gap'], (2000,))
@@ -194,7 +195,7 @@ def load_hetero_sine_gap_data(*, seed: int = 0) -> QualityData:
       seed: the seed of every draw.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData` (cached).
+      The :class:`~ensembles.benchmark.quality.data.QualityData` (cached).
     """
     x_train, x_test = (_outside_gap(2000, _rng(seed, i)) for i in (0, 1))
     shifted: _Sets = {}
@@ -249,7 +250,8 @@ def _shift_friedman(family: str, level: float, rng: np.random.Generator):
 def load_friedman1_hetero_data(*, seed: int = 0) -> QualityData:
     """Friedman #1 with heteroscedastic noise and covariate shifts.
 
-    >>> from ensembles.benchmark.regression_tasks import load_friedman1_hetero_data
+    >>> from ensembles.benchmark.quality.regression.tasks import (
+    ...     load_friedman1_hetero_data)
     >>> data = load_friedman1_hetero_data()
     >>> data.x_train.shape, data.x_test.shape, sorted(data.shifted[3])
     ((5000, 10), (2000, 10), ['input_noise', 'scale', 'translation'])
@@ -258,7 +260,7 @@ def load_friedman1_hetero_data(*, seed: int = 0) -> QualityData:
       seed: the seed of every draw.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData` (cached).
+      The :class:`~ensembles.benchmark.quality.data.QualityData` (cached).
     """
     x_train, x_test = (
         _rng(seed, i).uniform(0.0, 1.0, (n, 10)) for i, n in ((0, 5000), (1, 2000))
@@ -292,7 +294,7 @@ def load_concrete() -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     the file's order. See ``benchmark/data/README.md`` for its source and
     licence.
 
-    >>> from ensembles.benchmark.regression_tasks import load_concrete
+    >>> from ensembles.benchmark.quality.regression.tasks import load_concrete
     >>> x, y, names = load_concrete()
     >>> x.shape, y.shape, names[-1]
     ((1030, 8), (1030,), 'age')
@@ -313,7 +315,7 @@ def _concrete_inputs(x: np.ndarray) -> np.ndarray:
 def load_concrete_data(*, seed: int = 0) -> QualityData:
     """UCI Concrete, trained on young, low-cement mixtures, shifted by nature.
 
-    >>> from ensembles.benchmark.regression_tasks import load_concrete_data
+    >>> from ensembles.benchmark.quality.regression.tasks import load_concrete_data
     >>> data = load_concrete_data()
     >>> data.x_train.shape, data.x_test.shape, list(data.severities)
     ((458, 8), (153, 8), [1, 2, 3])
@@ -324,7 +326,7 @@ def load_concrete_data(*, seed: int = 0) -> QualityData:
       seed: the train/test split's and the OOD set's seed.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData` (cached).
+      The :class:`~ensembles.benchmark.quality.data.QualityData` (cached).
     """  # noqa: E501
     x, y, _ = load_concrete()
     cement, age = x[:, 0], x[:, -1]

@@ -1,6 +1,6 @@
 """What every method's jitted step is built of: its loss, its train step.
 
-:mod:`ensembles.benchmark.methods` builds each method's forward and train
+:mod:`ensembles.benchmark.cost.methods` builds each method's forward and train
 step from these: the model split into parameters and the rest of its state,
 merged again inside the step (:func:`merge`), a loss chosen by the labels
 (:func:`train_loss`), and one Adam step compiled with its arguments donated

@@ -1,12 +1,15 @@
-"""More tasks for the quality benchmark, so that defaults are chosen across tasks.
+"""Classification tasks of the quality benchmark, with shifts and OOD sets, offline.
 
-Each loader returns a :class:`~ensembles.benchmark.quality_data.QualityData`
+More tasks than MNIST-1D, so that defaults are chosen across tasks. Each
+loader returns a :class:`~ensembles.benchmark.quality.data.QualityData`
 (float32 inputs, int32 labels, five shift severities, out-of-distribution sets)
 built offline and deterministically: every random draw comes from a numpy
 ``Generator`` or scikit-learn ``random_state`` seeded here, and no loader reads
-or changes numpy's or Python's global random state. :data:`TASKS` names them:
+or changes numpy's or Python's global random state.
+:data:`CLASSIFICATION_TASKS` names them:
 
-- ``mnist1d``: :func:`~ensembles.benchmark.quality_data.load_quality_data`;
+- ``mnist1d``:
+  :func:`~ensembles.benchmark.quality.classification.mnist1d.load_quality_data`;
 - ``digits``: scikit-learn's bundled 8x8 handwritten digits, 1,197 train / 600
   test images ``[N, 8, 8]`` in ``[0, 1]`` (a seeded stratified split of the
   1,797), 10 classes. Shifts (:data:`DIGITS_SHIFTS`) corrupt the 600 test
@@ -32,7 +35,9 @@ or changes numpy's or Python's global random state. :data:`TASKS` names them:
   ``other_generator`` (``make_classification`` with another ``random_state``,
   standardised with the train statistics) and ``uniform`` (in ``[-4, 4]^20``);
 - ``mnist1d_harsh``: MNIST-1D as ``mnist1d`` but drawn from other seeds and
-  shifted harder (:data:`HARSH_SHIFTS`). It is kept aside to check defaults
+  shifted harder
+  (:data:`~ensembles.benchmark.quality.classification.mnist1d.HARSH_SHIFTS`).
+  It is kept aside to check defaults
   chosen on the other tasks, never to choose them.
 
 Accuracy per family at severities 1-5, measured while choosing the levels
@@ -61,22 +66,18 @@ from typing import Any
 
 import numpy as np
 
-from ensembles.benchmark import quality_data
-from ensembles.benchmark.quality_data import SEVERITIES, QualityData
-from ensembles.benchmark.regression_tasks import REGRESSION_TASKS
+from ensembles.benchmark.quality.classification.mnist1d import (
+    load_mnist1d_harsh_data,
+    load_quality_data,
+)
+from ensembles.benchmark.quality.data import SEVERITIES, QualityData
 
 __all__ = [
     "CLASSIFICATION_TASKS",
     "DIGITS_SHIFTS",
-    "HARSH_SHIFTS",
     "TABULAR_SHIFTS",
-    "TASKS",
-    "TASK_MODELS",
-    "TASK_STEPS",
     "load_digits_data",
-    "load_mnist1d_harsh_data",
     "load_tabular_data",
-    "load_task",
 ]
 
 #: Digits shift families and their levels at severities 1-5: the noise's std,
@@ -98,21 +99,6 @@ TABULAR_SHIFTS: dict[str, tuple[float, ...]] = {
     "dropout": (0.05, 0.15, 0.25, 0.4, 0.6),
 }
 
-#: The harsh MNIST-1D's shifts: :data:`~ensembles.benchmark.quality_data.SHIFTS`'
-#: families and arguments, each severity-1 value at the standard severity 3,
-#: severity 5 beyond the standard 5. Except translation: mnist1d shifts the
-#: padded 72-point sequence cyclically by ``k < max_translation``, so 72
-#: already places the digit anywhere (and a larger value would only add
-#: unshifted digits); it grows to 72 here. Scale stays <= 2 so that the factor
-#: ``1 + scale_coeff * (u - 0.5)`` never flips the digit's sign.
-HARSH_SHIFTS: dict[str, tuple[str, tuple[float, ...]]] = {
-    "correlated_noise": ("corr_noise_scale", (0.4, 0.5, 0.6, 0.7, 0.8)),
-    "iid_noise": ("iid_noise_scale", (0.06, 0.08, 0.1, 0.13, 0.16)),
-    "shear": ("shear_scale", (1.5, 2.0, 2.5, 3.0, 3.5)),
-    "scale": ("scale_coeff", (1.0, 1.25, 1.5, 1.75, 2.0)),
-    "translation": ("max_translation", (60, 63, 66, 69, 72)),
-}
-
 _INSTALL_HINT = "pip install 'ensembles[bench]' (or pip install scikit-learn)"
 _DIGITS_TEST = 600
 _TABULAR_SIZES = (6000, 2000, 1000)  # train, test (and each OOD set), shifted
@@ -125,7 +111,6 @@ _TABULAR_ARGS = {
     "class_sep": 1.0,
     "flip_y": 0.01,
 }
-_QUICK_MNIST1D = {"num_train": 2000, "num_test": 500, "num_shifted": 200}
 
 
 def _sklearn_datasets() -> Any:
@@ -230,7 +215,7 @@ def load_digits_data(*, seed: int = 0) -> QualityData:
     corrupted), 600 per out-of-distribution set. Cached per seed (the arrays
     are shared: do not write to them).
 
-    >>> from ensembles.benchmark.quality_tasks import load_digits_data
+    >>> from ensembles.benchmark.quality.classification.tasks import load_digits_data
     >>> data = load_digits_data()
     >>> data.name, data.x_train.shape, data.x_test.shape, data.x_test.dtype
     ('digits', (1197, 8, 8), (600, 8, 8), dtype('float32'))
@@ -241,7 +226,7 @@ def load_digits_data(*, seed: int = 0) -> QualityData:
       seed: the split's and the corruptions' seed.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData`, images
+      The :class:`~ensembles.benchmark.quality.data.QualityData`, images
       ``[N, 8, 8]`` (no channel axis) in ``[0, 1]``.
     """
     digits = _sklearn_datasets().load_digits()
@@ -300,7 +285,7 @@ def load_tabular_data(*, seed: int = 0) -> QualityData:
     train mean and std. Cached per seed (the arrays are shared: do not write to
     them).
 
-    >>> from ensembles.benchmark.quality_tasks import load_tabular_data
+    >>> from ensembles.benchmark.quality.classification.tasks import load_tabular_data
     >>> data = load_tabular_data()
     >>> data.name, data.x_train.shape, data.x_test.shape, data.y_test.dtype
     ('tabular', (6000, 20), (2000, 20), dtype('int32'))
@@ -314,7 +299,7 @@ def load_tabular_data(*, seed: int = 0) -> QualityData:
         examples) and the shifts' seed.
 
     Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData`.
+      The :class:`~ensembles.benchmark.quality.data.QualityData`.
     """
     make = _sklearn_datasets().make_classification
     num_train, num_test, num_shifted = _TABULAR_SIZES
@@ -351,118 +336,10 @@ def load_tabular_data(*, seed: int = 0) -> QualityData:
     )
 
 
-# ---------------------------------------------------------------- MNIST-1D
-
-
-@functools.lru_cache(maxsize=4)
-def load_mnist1d_harsh_data(
-    *, num_train: int = 8000, num_test: int = 2000, num_shifted: int = 1000
-) -> QualityData:
-    """MNIST-1D from other seeds, shifted harder: kept aside to check defaults.
-
-    As :func:`~ensembles.benchmark.quality_data.load_quality_data` (the same
-    sizes, families and out-of-distribution sets), but the train and test
-    examples come from seed 4242 (not 42), each shifted set from seed ``5000 +
-    10 * severity + family index`` (not 1000 + ...), the shuffled sequences from
-    4999 and the noise from 4998, and the shifts are :data:`HARSH_SHIFTS`.
-    Cached per size (the arrays are shared: do not write to them).
-
-    >>> from ensembles.benchmark.quality_tasks import load_mnist1d_harsh_data
-    >>> data = load_mnist1d_harsh_data(num_train=100, num_test=50, num_shifted=20)
-    >>> data.name, data.x_train.shape, data.shifted[5]["shear"][0].shape
-    ('mnist1d_harsh', (100, 40), (20, 40))
-
-    Args:
-      num_train: training examples, a multiple of 10.
-      num_test: test examples and examples per out-of-distribution set, a
-        multiple of 10.
-      num_shifted: examples per shift family and severity, a multiple of 10.
-
-    Returns:
-      The :class:`~ensembles.benchmark.quality_data.QualityData`.
-    """
-    return quality_data.mnist1d_sets(
-        num_train,
-        num_test,
-        num_shifted,
-        shifts=HARSH_SHIFTS,
-        seeds=(4242, 5000, 4999, 4998),
-        name="mnist1d_harsh",
-    )
-
-
-# ---------------------------------------------------------------- registry
-
 #: The quality benchmark's classification tasks by name, each a cached loader.
 CLASSIFICATION_TASKS: dict[str, Callable[..., QualityData]] = {
-    "mnist1d": quality_data.load_quality_data,
+    "mnist1d": load_quality_data,
     "digits": load_digits_data,
     "tabular": load_tabular_data,
     "mnist1d_harsh": load_mnist1d_harsh_data,
 }
-
-#: Every task of the quality benchmark by name: the classification tasks,
-#: then the regression tasks of :mod:`~ensembles.benchmark.regression_tasks`.
-TASKS: dict[str, Callable[..., QualityData]] = {
-    **CLASSIFICATION_TASKS,
-    **REGRESSION_TASKS,
-}
-
-
-#: Training steps per task, the benchmark's default (B = 100 examples per
-#: step): 25 epochs of MNIST-1D, 84 of digits, 17 of the tabular task; the
-#: regression tasks' were chosen on validation NLL (``docs/regression.md``).
-TASK_STEPS: dict[str, int] = {
-    "mnist1d": 2000,
-    "digits": 1000,
-    "tabular": 1000,
-    "mnist1d_harsh": 2000,
-    "cubic": 1000,
-    "hetero_sine_gap": 2000,
-    "friedman1_hetero": 2000,
-    "concrete": 1000,
-}
-
-#: The benchmark's models that apply to each task: a CNN convolves the axes
-#: of sequences and images; tabular rows have none.
-TASK_MODELS: dict[str, tuple[str, ...]] = {
-    "mnist1d": ("cnn", "mlp"),
-    "digits": ("cnn", "mlp"),
-    "tabular": ("mlp",),
-    "mnist1d_harsh": ("cnn", "mlp"),
-    **dict.fromkeys(REGRESSION_TASKS, ("mlp",)),
-}
-
-
-def load_task(name: str, *, quick: bool = False) -> QualityData:
-    """Loads the task ``name`` of :data:`TASKS` (cached: arrays are shared).
-
-    >>> from ensembles.benchmark.quality_tasks import load_task
-    >>> load_task("digits").x_train.shape
-    (1197, 8, 8)
-    >>> load_task("cifar")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown task 'cifar'; the tasks are concrete, cubic, digits, ...
-
-    Args:
-      name: a classification task (``"mnist1d"``, ``"digits"``,
-        ``"tabular"``, ``"mnist1d_harsh"``) or a regression task
-        (``"cubic"``, ``"hetero_sine_gap"``, ``"friedman1_hetero"``,
-        ``"concrete"``).
-      quick: smaller MNIST-1D sets (2,000 train, 500 test and out-of-
-        distribution, 200 per shifted set), for smoke runs. The digits and
-        tabular sets are small already and do not change.
-
-    Returns:
-      The task's :class:`~ensembles.benchmark.quality_data.QualityData`.
-
-    Raises:
-      ValueError: if ``name`` is not a task.
-    """
-    if name not in TASKS:
-        raise ValueError(
-            f"unknown task {name!r}; the tasks are {', '.join(sorted(TASKS))}."
-        )
-    sized = quick and name in ("mnist1d", "mnist1d_harsh")
-    return TASKS[name](**_QUICK_MNIST1D) if sized else TASKS[name]()

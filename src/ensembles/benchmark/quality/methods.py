@@ -1,7 +1,7 @@
 """The models and methods of the quality benchmark, and how each is trained.
 
 Every method trains the same plain Flax model
-(:func:`~ensembles.benchmark.quality_models.build_model`) with the same
+(:func:`~ensembles.benchmark.quality.models.build_model`) with the same
 optimizer, learning rate, batch size B and number of steps:
 
 - ``single``: one model, B examples per step;
@@ -38,7 +38,7 @@ optimizer, learning rate, batch size B and number of steps:
 
 Steps are jitted with the batch drawn on the device, so the timings count
 training, not data loading. A model is a name of
-:data:`~ensembles.benchmark.quality_models.QUALITY_MODELS` or a
+:data:`~ensembles.benchmark.quality.models.QUALITY_MODELS` or a
 factory ``rngs -> nnx.Module`` of the user's own (a classifier of the data's
 examples; for ``mc_dropout`` it must take a ``dropout`` keyword as well).
 """
@@ -57,13 +57,14 @@ from jax.nn.initializers import Initializer
 
 import ensembles
 from ensembles._checks import check_positive_int
-from ensembles.benchmark.methods import _count
-from ensembles.benchmark.quality_models import ModelSpec
-from ensembles.benchmark.quality_training import (
+from ensembles.benchmark.quality.models import ModelSpec
+from ensembles.benchmark.quality.training import (
     Context,
+    fast_weight_options,
     independent_head_options,
     objective,
     optimizer,
+    reinit_first_layer,
     train_steps,
     validation_loss,
 )
@@ -164,22 +165,6 @@ class Trained:
     best_step: int | None = None
 
 
-def _reinit_first_layer(
-    net: nnx.Module, inits: tuple[Initializer, Initializer], key: jax.Array
-) -> None:
-    """Draws the first BatchEnsemble layer's ``r`` and ``s`` from ``inits``."""
-    first = next(
-        node
-        for _, node in nnx.iter_graph(net)
-        if isinstance(node, ensembles.layers.BatchEnsembleModule)
-    )
-    r_key, s_key = jax.random.split(key)
-    for variable, init, init_key in zip(
-        (first.r, first.s), inits, (r_key, s_key), strict=True
-    ):
-        variable[...] = init(init_key, variable.shape, variable.dtype)
-
-
 def train_method(
     method: str,
     model: ModelSpec,
@@ -218,7 +203,7 @@ def train_method(
     spread, per target).
 
     >>> import numpy as np
-    >>> from ensembles.benchmark.quality_methods import train_method
+    >>> from ensembles.benchmark.quality.methods import train_method
     >>> x, y = np.zeros((20, 40), np.float32), np.arange(20) % 10
     >>> trained = train_method("batchensemble", "mlp", x, y, num_members=2,
     ...                        steps=2)
@@ -233,7 +218,7 @@ def train_method(
     Args:
       method: one of :data:`QUALITY_METHODS`.
       model: a name of ``QUALITY_MODELS``, or a factory ``rngs ->
-        nnx.Module`` (:func:`~ensembles.benchmark.quality_models.build_model`).
+        nnx.Module`` (:func:`~ensembles.benchmark.quality.models.build_model`).
       x_train: ``[N, ...]`` float32 training examples.
       y_train: ``[N]`` integer labels (regression: ``[N]`` or ``[N, D]`` real
         targets, best standardised).
@@ -320,7 +305,7 @@ def train_method(
             method,
             context,
             loss_of,
-            _fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init),
+            fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init),
             first_layer_init=first_layer_init,
             tiled=tiled,
             kl_annealing=kl_annealing,
@@ -357,10 +342,16 @@ def train_method(
     return Trained(
         method=method,
         predict=lambda x: predict(net, jnp.asarray(x)),
-        params=_count(nnx.state(net, nnx.Param))[0],
+        params=_param_count(net),
         train_s=train_s,
         model=net,
         best_step=best_step,
+    )
+
+
+def _param_count(net: nnx.Module) -> int:
+    return int(
+        sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(net, nnx.Param)))
     )
 
 
@@ -399,23 +390,6 @@ def _deep_ensemble(context: Context, loss_of: Callable):
     return net, loss_fn, predict_fn
 
 
-def _fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init):
-    """``to_batch_ensemble``'s keyword arguments for ``batchensemble``/``rank1``."""
-    if fast_weight_init is None:
-        options = {}
-    elif isinstance(fast_weight_init, tuple):
-        options = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
-    else:
-        options = {"r_init": fast_weight_init, "s_init": fast_weight_init}
-    if method == "rank1":
-        options["posterior"] = "gaussian"
-        if prior_stddev is not None:
-            options["prior_stddev"] = prior_stddev
-        if stddev_init is not None:
-            options["stddev_init"] = stddev_init
-    return options
-
-
 def _batch_ensemble(
     method,
     context,
@@ -441,7 +415,7 @@ def _batch_ensemble(
         **options,
     )
     if first_layer_init is not None:
-        _reinit_first_layer(net, first_layer_init, context.key(3))
+        reinit_first_layer(net, first_layer_init, context.key(3))
     kl_weight = optax.linear_schedule(
         0.0, 1.0, transition_steps=max(1, int(kl_annealing * context.steps))
     )

@@ -3,16 +3,16 @@
 For a model, a mode (a forward, or a full optax AdamW train step), an ensemble
 size E, B rows per member and a dtype, :func:`compare_programs` compiles the
 plain model on all ``E*B`` rows (the same matmuls: the limit) and its
-BatchEnsemble conversion for a chip (:mod:`ensembles.benchmark.chips`:
+BatchEnsemble conversion for a chip (:mod:`ensembles.benchmark.cost.compiled.chips`:
 deviceless for an H100 or a TPU) and reads both programs
-(:mod:`ensembles.benchmark.hlo`): kernels (matmul and convolution kernels
+(:mod:`ensembles.benchmark.cost.compiled.hlo`): kernels (matmul and convolution kernels
 apart), ``while`` loops and their trips, matmul and convolution flops, bytes
 through main memory, XLA's temporary memory, the compiler's time, and the
 kernels the BatchEnsemble has that the plain model has not, each with its
 source line. The figures are deterministic for a given compiler; they are a
 structure, not a time (``docs/cost.md`` says what only a device shows).
 
->>> from ensembles.benchmark.compiled import compare_programs
+>>> from ensembles.benchmark.cost.compiled.programs import compare_programs
 >>> row = compare_programs("linear", "forward", chip="cpu", num_members=2,
 ...                        batch=4, width=8)
 >>> row.ensemble.flops == row.plain.flops == 2 * (2 * 4) * 8 * 8
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark import chips, hlo
-from ensembles.benchmark.models import build_model, model_inputs, model_name
-from ensembles.benchmark.steps import merge, optax_module, rest_of, train_loss
+from ensembles.benchmark.cost.compiled import chips, hlo
+from ensembles.benchmark.cost.models import build_model, model_inputs
+from ensembles.benchmark.cost.steps import merge, optax_module, rest_of, train_loss
+from ensembles.benchmark.report import model_name
 
 __all__ = [
     "DTYPES",
@@ -59,7 +60,8 @@ class ProgramCost:
 
     Attributes:
       chip: the chip it was compiled for.
-      program: its kernels and loops (:class:`ensembles.benchmark.hlo.Program`).
+      program: its kernels and loops
+        (:class:`~ensembles.benchmark.cost.compiled.hlo.Program`).
       temp_bytes: XLA's temporary memory (``memory_analysis()``).
       compile_seconds: the chip compiler's time (not tracing or lowering).
     """
@@ -129,7 +131,7 @@ def program_cost(
     (256, 1)
 
     Args:
-      chip: one of :data:`ensembles.benchmark.chips.CHIPS`.
+      chip: one of :data:`ensembles.benchmark.cost.compiled.chips.CHIPS`.
       fn: the function; its arguments' shapes and dtypes are ``specs``.
       specs: ``jax.ShapeDtypeStruct`` leaves (any pytree), one per argument.
       donate_argnums: arguments whose buffers the program may reuse.
@@ -269,7 +271,7 @@ def _train_step(graphdef, labels):
     """An AdamW step of a split model, and the optax transformation.
 
     ``(params, opt_state, rest, x, y) -> (params, opt_state, rest, loss)``;
-    the loss is :func:`~ensembles.benchmark.steps.train_loss`'s for ``labels``,
+    the loss is :func:`~ensembles.benchmark.cost.steps.train_loss`'s for ``labels``,
     of the outputs in float32.
     """
     _, loss_of = train_loss(labels)
@@ -379,7 +381,7 @@ def compare_programs(
     Args:
       model: see :func:`model_programs`.
       mode: ``"forward"`` or ``"train"``.
-      chip: one of :data:`ensembles.benchmark.chips.CHIPS`.
+      chip: one of :data:`ensembles.benchmark.cost.compiled.chips.CHIPS`.
       num_members: E.
       batch: B, rows per member.
       dtype: a key of :data:`DTYPES`.

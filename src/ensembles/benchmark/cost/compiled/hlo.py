@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from ensembles.benchmark.hlo_text import (
+from ensembles.benchmark.cost.compiled.hlo_text import (
     Array,
     Instruction,
     computations,

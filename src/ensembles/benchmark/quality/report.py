@@ -1,9 +1,11 @@
-"""Tables and plot of ``ensembles-bench --quality``.
+"""The report of ``ensembles-bench --quality``: the rows summarised, as tables.
 
-Every cell is a mean over seeds, followed by the standard deviation over seeds
-when there are several. The first table of a task, model and E is the fair
-comparison: every method after its own temperature, fitted on held-out
-training data; the second gives the figures as trained.
+:func:`summarize` gives every task, model, E and method its means and
+standard deviations over seeds, and the share of the gap from one model to
+the deep ensemble that each BatchEnsemble method closes; :func:`format_quality`
+prints a block of tables per task, model and E, a classification task's
+(:mod:`~ensembles.benchmark.quality.classification.report`) or a regression
+task's (:mod:`~ensembles.benchmark.quality.regression.report`).
 """
 
 from __future__ import annotations
@@ -13,23 +15,16 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ensembles.benchmark.quality_regression_report import regression_block
-from ensembles.benchmark.quality_tables import (
-    best_row,
-    calibration_tables,
-    cell,
-    gap_lines,
-    groups_of,
-    method_label,
-    title,
-)
-from ensembles.benchmark.report import render_table
+from ensembles.benchmark.quality.classification.report import classification_block
+from ensembles.benchmark.quality.regression.report import regression_block
+from ensembles.benchmark.quality.tables import groups_of
 
 __all__ = [
     "MIN_GAP",
     "MIN_GAP_STANDARD_ERRORS",
     "format_quality",
     "summarize",
+    "summary_of",
 ]
 
 #: "Gap closed" is only defined where the deep ensemble's NLL is lower than
@@ -43,33 +38,6 @@ MIN_GAP: float = 0.02
 #: NLLs is ``sqrt(std_single**2 / n_single + std_deep**2 / n_deep)`` from the
 #: seeds' sample standard deviations (zero for one seed).
 MIN_GAP_STANDARD_ERRORS: float = 2.0
-
-# (header, where in a summary entry, metric, higher is better);
-# "shift" = mean over severities.
-_RECALIBRATED: tuple[tuple[str, str, str, bool], ...] = (
-    ("acc", "in_distribution", "accuracy", True),
-    ("NLL", "in_distribution", "nll", False),
-    ("ECE", "in_distribution", "ece", False),
-    ("Brier", "in_distribution", "brier", False),
-    ("shift acc", "shift_mean", "accuracy", True),
-    ("shift NLL", "shift_mean", "nll", False),
-    ("shift ECE", "shift_mean", "ece", False),
-)
-_AS_TRAINED: tuple[tuple[str, str, str, bool], ...] = (
-    ("NLL", "in_distribution", "nll", False),
-    ("ECE", "in_distribution", "ece", False),
-    ("Brier", "in_distribution", "brier", False),
-    ("AURC", "in_distribution", "aurc", False),
-    ("shift NLL", "shift_mean", "nll", False),
-    ("shift ECE", "shift_mean", "ece", False),
-)
-# (header suffix, key, higher is better) of each out-of-distribution set.
-_OOD: tuple[tuple[str, str, bool], ...] = (
-    ("AUROC H", "auroc_entropy", True),
-    ("AUROC MI", "auroc_mi", True),
-    ("FPR95 H", "fpr95_entropy", False),
-    ("FPR95 MI", "fpr95_mi", False),
-)
 
 
 def _mean_std(values: list[float | None]) -> dict[str, float | None]:
@@ -111,7 +79,7 @@ _COUNTS = ("params", "train_examples", "validation_examples")
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Means and standard deviations over seeds, per task, model, E and method.
 
-    >>> from ensembles.benchmark.quality_report import summarize
+    >>> from ensembles.benchmark.quality.report import summarize
     >>> row = {"method": "single", "model": "mlp", "members": 4, "params": 10,
     ...        "train_s": 1.0, "in_distribution": {"nll": 0.5},
     ...        "shift": [{"severity": 1, "nll": 0.7}], "shift_mean": {"nll": 0.7},
@@ -124,7 +92,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     (2, {'mean': None, 'std': None})
 
     Args:
-      rows: from :func:`~ensembles.benchmark.quality.run_quality`.
+      rows: from :func:`~ensembles.benchmark.quality.run.run_quality`.
 
     Returns:
       One dict per (task, model, E, method), in first-seen order, with
@@ -214,83 +182,6 @@ def _gap_closed(
     return (means[0] - means[1]) / gap
 
 
-def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "params", "train s", "T", *(c[0] for c in _RECALIBRATED)]
-    columns = [
-        (
-            lambda e, where=where, metric=metric: e["recalibrated"][where].get(metric),
-            high,
-        )
-        for _, where, metric, high in _RECALIBRATED
-    ]
-    rows = [
-        [
-            method_label(entry),
-            f"{entry['params']:,}",
-            f"{entry['train_s']['mean']:.1f}",
-            cell(entry["temperature"], entry["seeds"]) + _at_bound(entry),
-            *(cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
-        ]
-        for entry in group
-    ]
-    return header, [*rows, ["best", "", "", "", *best_row(group, columns)]]
-
-
-def _at_bound(entry: dict[str, Any]) -> str:
-    """``"*"`` where a seed's temperature fit ended at a bound."""
-    stats = entry.get("temperature_at_bound")
-    return "*" if stats is not None and stats["mean"] else ""
-
-
-def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
-    ood_sets = list(group[0]["ood"])
-    header = ["method", *(c[0] for c in _AS_TRAINED)]
-    columns = [
-        (lambda e, where=where, metric=metric: e[where].get(metric), high)
-        for _, where, metric, high in _AS_TRAINED
-    ]
-    for name in ood_sets:
-        header += [f"{name} {suffix}" for suffix, _, _ in _OOD]
-        columns += [
-            (lambda e, name=name, key=key: e["ood"][name].get(key), high)
-            for _, key, high in _OOD
-        ]
-    rows = [
-        [
-            method_label(entry),
-            *(cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
-        ]
-        for entry in group
-    ]
-    return header, [*rows, ["best", *best_row(group, columns)]]
-
-
-def _severity_table(group, part: str | None) -> tuple[list[str], list[list[str]]]:
-    def of(entry):
-        return entry if part is None else entry[part]
-
-    header = [
-        "method",
-        "test",
-        *(f"shift {lv['severity']}" for lv in of(group[0])["shift"]),
-    ]
-    rows = []
-    for entry in group:
-        levels = [of(entry)["in_distribution"], *of(entry)["shift"]]
-        rows.append(
-            [
-                entry["method"],
-                *(f"{_mean(lv, 'nll')} / {_mean(lv, 'ece')}" for lv in levels),
-            ]
-        )
-    return header, rows
-
-
-def _mean(level: dict[str, Any], metric: str) -> str:
-    stats = level.get(metric)
-    return "n/a" if stats is None or stats["mean"] is None else f"{stats['mean']:.3f}"
-
-
 def summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``results`` as a summary: rows of ``run_quality`` are summarised."""
     results = list(results)
@@ -302,11 +193,11 @@ def summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
     """The quality tables: recalibrated, as trained, then NLL / ECE per severity.
 
-    Takes the rows of :func:`~ensembles.benchmark.quality.run_quality` (it
+    Takes the rows of :func:`~ensembles.benchmark.quality.run.run_quality` (it
     summarises them) or their :func:`summarize`.
     The last row of each table names the best method of each column.
 
-    >>> from ensembles.benchmark.quality_report import format_quality
+    >>> from ensembles.benchmark.quality.report import format_quality
     >>> def row(method, nll, seed):
     ...     metrics = {"accuracy": 0.9, "nll": nll, "ece": 0.02, "brier": 0.1,
     ...                "aurc": 0.05}
@@ -342,7 +233,7 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     ...
 
     Args:
-      results: rows from :func:`~ensembles.benchmark.quality.run_quality`, or
+      results: rows from :func:`~ensembles.benchmark.quality.run.run_quality`, or
         their summary.
       markdown: Markdown tables instead of aligned text.
 
@@ -351,48 +242,9 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     """
     blocks = []
     for group in groups_of(summary_of(results)).values():
-        if group[0].get("regression"):
-            blocks.append(regression_block(group, markdown=markdown))
-            continue
-        heading = f"**{title(group)}**" if markdown else title(group)
-        held = group[0].get("validation_examples")
-        block = [
-            heading,
-            "",
-            "Recalibrated: every method at its own temperature T, fitted on "
-            + (f"{held:,} " if held else "")
-            + "held-out training examples (never the test set):",
-            "",
-            render_table(*_recalibrated_table(group), markdown=markdown, left=0),
-        ]
-        if any(_at_bound(entry) for entry in group):
-            block += [
-                "",
-                "* In some seed the temperature's fit ended at a bound: the held-out "
-                "examples did not identify it (at the lower bound: no error among "
-                "them), and that row's recalibrated figures are not to be trusted.",
-            ]
-        gap = gap_lines(group)
-        if gap:
-            block += ["", gap]
-        block += [
-            "",
-            "As trained:",
-            "",
-            render_table(*_as_trained_table(group), markdown=markdown, left=0),
-            "",
-            "Recalibrated NLL / ECE by shift severity (test = in distribution):",
-            "",
-            render_table(
-                *_severity_table(group, "recalibrated"), markdown=markdown, left=0
-            ),
-            "",
-            "As trained, NLL / ECE by shift severity:",
-            "",
-            render_table(*_severity_table(group, None), markdown=markdown, left=0),
-        ]
-        block += calibration_tables(
-            group, second="ece", markdown=markdown, render=render_table
+        blocks.append(
+            regression_block(group, markdown=markdown)
+            if group[0].get("regression")
+            else classification_block(group, markdown=markdown)
         )
-        blocks.append("\n".join(block))
     return "\n\n".join(blocks)

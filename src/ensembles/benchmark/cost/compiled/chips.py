@@ -2,9 +2,10 @@
 
 ``jax.experimental.topologies`` describes a chip's devices without the chip:
 an H100 from ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` (no NVIDIA
-libraries needed) with a GPU target config (``data/h100_target_config.txtpb``),
-TPUs from ``libtpu`` (what ``jax[tpu]`` installs). Under ``jax.set_mesh`` over
-one of them, ``jax.jit(f).trace(*specs).lower().compile()`` runs the chip's own
+libraries needed) with a GPU target config
+(``ensembles/benchmark/data/h100_target_config.txtpb``), TPUs from
+``libtpu`` (what ``jax[tpu]`` installs). Under ``jax.set_mesh`` over one of
+them, ``jax.jit(f).trace(*specs).lower().compile()`` runs the chip's own
 compilers (XLA GPU with Triton, XLA TPU with Mosaic) and returns the program
 the chip would run. Nothing may run eagerly under such a mesh: every model
 and argument is built abstractly (``nnx.eval_shape``,

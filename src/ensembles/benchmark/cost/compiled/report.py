@@ -1,7 +1,7 @@
 """``ensembles-bench --compiled-for``: runs the comparisons and prints them.
 
 :func:`run_comparisons` compiles every chip, model, mode, ensemble size and
-dtype asked for (:func:`ensembles.benchmark.compiled.compare_programs`);
+dtype asked for (:func:`ensembles.benchmark.cost.compiled.programs.compare_programs`);
 :func:`format_comparisons` prints one table of ratios (the BatchEnsemble's
 program over the plain model's on the same ``E*B`` rows) and, under it, where
 each BatchEnsemble's extra kernels come from.
@@ -13,7 +13,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ensembles.benchmark.compiled import Comparison, compare_programs
+from ensembles.benchmark.cost.compiled.programs import Comparison, compare_programs
 from ensembles.benchmark.report import render_table
 
 __all__ = ["COLUMNS", "format_comparisons", "run_comparisons"]
@@ -53,11 +53,11 @@ def run_comparisons(
     """Every comparison asked for, chip by chip (libtpu allows one at a time).
 
     Args:
-      chips: names of :data:`ensembles.benchmark.chips.CHIPS`.
+      chips: names of :data:`ensembles.benchmark.cost.compiled.chips.CHIPS`.
       models: benchmark model names or factories.
       modes: ``"forward"`` and/or ``"train"``.
       members: ensemble sizes E.
-      dtypes: keys of :data:`ensembles.benchmark.compiled.DTYPES`.
+      dtypes: keys of :data:`ensembles.benchmark.cost.compiled.programs.DTYPES`.
       batch: B, rows per member.
       width: see :func:`~ensembles.benchmark.build_model`.
       image_size: the CNN's image height and width.
@@ -66,7 +66,7 @@ def run_comparisons(
       progress: called with a line before each compile.
 
     Returns:
-      The :class:`~ensembles.benchmark.compiled.Comparison` of each.
+      The :class:`~ensembles.benchmark.cost.compiled.programs.Comparison` of each.
     """
     rows = []
     for chip in chips:

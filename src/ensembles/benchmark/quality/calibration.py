@@ -42,6 +42,7 @@ __all__ = [
     "calibrate_classifier",
     "calibrate_regressor",
     "diversity",
+    "diversity_sets",
     "noisy_validation",
 ]
 
@@ -111,6 +112,20 @@ def diversity(
             key: float(np.mean([v[key] for v in values])) for key in values[0]
         }
     return result
+
+
+def diversity_sets(data: Any) -> dict[str, list[Any]]:
+    """The sets :func:`diversity` measures a task's data on: test and shifted.
+
+    Args:
+      data: a :class:`~ensembles.benchmark.quality.data.QualityData`.
+
+    Returns:
+      ``{"in_distribution": [x_test], "shift_mean": [x of every severity's
+      every family]}``.
+    """
+    shifted = [x for families in data.shifted.values() for x, _ in families.values()]
+    return {"in_distribution": [data.x_test], "shift_mean": shifted}
 
 
 def noisy_validation(

@@ -1,7 +1,7 @@
 """The speed benchmark: every method timed for every model, mode and E.
 
 ``ensembles-bench`` (without ``--quality``) prints what :func:`run_benchmark`
-returns; see :mod:`ensembles.benchmark.methods` for the methods.
+returns; see :mod:`ensembles.benchmark.cost.methods` for the methods.
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ensembles.benchmark.methods import METHODS, MODES, prepare_method
-from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS, model_name
-from ensembles.benchmark.timing import interleaved_times, median, quartiles
+from ensembles.benchmark.cost.methods import METHODS, MODES, prepare_method
+from ensembles.benchmark.cost.models import DEFAULT_IMAGE_SIZE, DEFAULT_WIDTHS
+from ensembles.benchmark.cost.timing import interleaved_times, median, quartiles
+from ensembles.benchmark.report import model_name
 from ensembles.multihost import local_mesh
 
 __all__ = ["run_benchmark"]

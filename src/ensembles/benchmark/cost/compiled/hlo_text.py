@@ -1,10 +1,11 @@
 """Optimized HLO text, read: computations of instructions, shapes, source lines.
 
-What :mod:`ensembles.benchmark.hlo` counts kernels, flops and bytes from. It
-reads the text XLA prints for a compiled program (``compiled.as_text()``): one
-computation per block, ``ENTRY`` the program's own, each instruction as
-``%name = shape opcode(operands), attributes``, and the module's tables of
-source locations (``stack_frame_id`` in an instruction's metadata).
+What :mod:`~ensembles.benchmark.cost.compiled.hlo` counts kernels, flops and
+bytes from. It reads the text XLA prints for a compiled program
+(``compiled.as_text()``): one computation per block, ``ENTRY`` the
+program's own, each instruction as ``%name = shape opcode(operands),
+attributes``, and the module's tables of source locations
+(``stack_frame_id`` in an instruction's metadata).
 
 >>> instruction = parse_instruction(
 ...     "  %d = f32[8,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}")

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ensembles.benchmark.quality_tables import (
+from ensembles.benchmark.quality.tables import (
     best_row,
     calibration_tables,
     cell,
     gap_lines,
     method_label,
+    severity_table,
     title,
 )
 from ensembles.benchmark.report import render_table
@@ -52,6 +53,8 @@ _AS_TRAINED: tuple[tuple[str, str, str, bool | None], ...] = (
     ("shift cov 90", "shift_mean", "coverage90", None),
     ("shift conformal cov 90", "shift_mean", "coverage90_conformal", None),
 )
+# The figures of each severity's cell.
+_SEVERITY_METRICS = ("nll", "crps", "coverage90")
 _OOD: tuple[tuple[str, str, bool], ...] = (
     ("AUROC epistemic", "auroc_epistemic", True),
     ("AUROC total", "auroc_total", True),
@@ -121,42 +124,12 @@ def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
     return header, [*rows, ["best", *_best(group, columns)]]
 
 
-def _severity_table(group, part: str | None) -> tuple[list[str], list[list[str]]]:
-    def of(entry):
-        return entry if part is None else entry[part]
-
-    def mean(level, metric):
-        stats = level.get(metric)
-        return (
-            "n/a" if stats is None or stats["mean"] is None else f"{stats['mean']:.3f}"
-        )
-
-    header = [
-        "method",
-        "test",
-        *(f"shift {lv['severity']}" for lv in of(group[0])["shift"]),
-    ]
-    rows = []
-    for entry in group:
-        levels = [of(entry)["in_distribution"], *of(entry)["shift"]]
-        rows.append(
-            [
-                method_label(entry),
-                *(
-                    " / ".join(mean(lv, m) for m in ("nll", "crps", "coverage90"))
-                    for lv in levels
-                ),
-            ]
-        )
-    return header, rows
-
-
 def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> str:
     """The tables of one regression task, model and E (summarised entries).
 
     Args:
       group: the summary entries of one task, model and E
-        (:func:`~ensembles.benchmark.quality_report.summarize`).
+        (:func:`~ensembles.benchmark.quality.report.summarize`).
       markdown: Markdown tables instead of aligned text.
 
     Returns:
@@ -200,13 +173,11 @@ def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> 
         "Recalibrated NLL / CRPS / 90% coverage by shift severity (test = in "
         "distribution):",
         "",
-        table(_severity_table(group, "recalibrated")),
+        table(severity_table(group, "recalibrated", _SEVERITY_METRICS, method_label)),
         "",
         "As trained, NLL / CRPS / 90% coverage by shift severity:",
         "",
-        table(_severity_table(group, None)),
+        table(severity_table(group, None, _SEVERITY_METRICS, method_label)),
     ]
-    block += calibration_tables(
-        group, second="coverage90", markdown=markdown, render=render_table
-    )
+    block += calibration_tables(group, second="coverage90", markdown=markdown)
     return "\n".join(block)

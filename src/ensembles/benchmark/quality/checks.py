@@ -14,14 +14,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ensembles.benchmark.quality_data import QualityData
-from ensembles.benchmark.quality_methods import QUALITY_METHODS
-from ensembles.benchmark.quality_models import (
-    ModelSpec,
-    build_model,
-    check_model,
-    model_name,
-)
+from ensembles.benchmark.quality.data import QualityData
+from ensembles.benchmark.quality.methods import QUALITY_METHODS
+from ensembles.benchmark.quality.models import ModelSpec, build_model, check_model
+from ensembles.benchmark.report import model_name
 
 __all__ = ["check_run", "model_outputs"]
 
@@ -31,7 +27,7 @@ def check_run(
 ) -> None:
     """Raises unless every model can run every method on ``data``.
 
-    What :func:`~ensembles.benchmark.quality.run_quality` checks before
+    What :func:`~ensembles.benchmark.quality.run.run_quality` checks before
     anything trains (the command checks every task's this way before the
     first trains): the methods' names, each model's name or factory, and one
     abstract forward pass of each model (no computation) on the data's

@@ -22,7 +22,7 @@ Every step is jitted with the model's state as an argument (split, never closed
 over) and ``mode="train"`` is forward + backward + an ``optax.adam`` update of
 the softmax cross-entropy, or, for a model with one output (where that is
 identically 0), of the squared error against regression targets
-(:mod:`ensembles.benchmark.steps`).
+(:mod:`ensembles.benchmark.cost.steps`).
 Models run as built, in training mode in both modes: ``nnx.Dropout`` draws its
 masks and ``nnx.BatchNorm`` normalizes with the batch's statistics. A train step
 carries the state that is not a parameter (rng counts, BatchNorm's running
@@ -41,8 +41,12 @@ import numpy as np
 from flax import nnx
 
 import ensembles
-from ensembles.benchmark.models import DEFAULT_IMAGE_SIZE, build_model, model_inputs
-from ensembles.benchmark.steps import compile_train, merge, rest_of, train_loss
+from ensembles.benchmark.cost.models import (
+    DEFAULT_IMAGE_SIZE,
+    build_model,
+    model_inputs,
+)
+from ensembles.benchmark.cost.steps import compile_train, merge, rest_of, train_loss
 
 __all__ = [
     "LEARNING_RATE",

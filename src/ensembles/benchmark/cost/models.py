@@ -8,11 +8,7 @@ the user's model (with the shape of one example, ``input_shape``).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +21,7 @@ __all__ = [
     "MODELS",
     "NUM_CLASSES",
     "build_model",
-    "load_factory",
     "model_inputs",
-    "model_name",
 ]
 
 #: The ``--model`` choices.
@@ -154,7 +148,7 @@ def model_inputs(
       model with one output (a regressor, whose softmax cross-entropy would
       be identically 0), standard-normal float32 targets instead, which the
       train steps fit by the squared error
-      (:func:`~ensembles.benchmark.steps.train_loss`).
+      (:func:`~ensembles.benchmark.cost.steps.train_loss`).
 
     Raises:
       ValueError: if a factory comes without ``input_shape``.
@@ -187,56 +181,7 @@ def model_inputs(
     return x, jnp.asarray(rng.integers(0, outputs, label_shape), jnp.int32)
 
 
-def model_name(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:
-    """A model's name in tables: the name itself, or its factory's name."""
-    return name if isinstance(name, str) else getattr(name, "__name__", "model")
-
-
 def _width(name: str, width: int | None) -> int:
     if name not in MODELS:
         raise ValueError(f"`name` must be one of {list(MODELS)}, got {name!r}.")
     return DEFAULT_WIDTHS[name] if width is None else width
-
-
-def load_factory(reference: str) -> Callable[..., Any]:
-    """Imports ``"package.module:factory"``: a user's model factory.
-
-    The working directory is searched first, as ``python -m`` and the
-    interpreter's prompt do, so ``--model mymodel:build`` finds
-    ``mymodel.py`` in the folder the command runs in.
-
-    >>> from ensembles.benchmark.models import load_factory
-    >>> load_factory("ensembles.benchmark.quality_models:build_quality_model")
-    <function build_quality_model at ...>
-
-    Args:
-      reference: the module's import path, a colon, the factory's name.
-
-    Returns:
-      The factory.
-
-    Raises:
-      ValueError: if the reference is malformed, the module cannot be
-        imported, or it has no such callable.
-    """
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(
-            f"a model factory is named 'package.module:factory', got {reference!r}"
-        )
-    # A console script's sys.path starts with the script's folder, not the
-    # working directory that `python -m` would put there.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"cannot import {module_name!r} (searched the working directory "
-            f"{os.getcwd()} and the installed packages; if it lives elsewhere, "
-            f"add its folder to PYTHONPATH): {error}"
-        ) from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
-    return factory

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ensembles.benchmark.models import model_name
+from ensembles.benchmark.report import model_name
 
 __all__ = [
     "QUALITY_MODELS",
@@ -23,7 +23,6 @@ __all__ = [
     "build_model",
     "build_quality_model",
     "check_model",
-    "model_name",
 ]
 
 #: The ``--model`` choices of ``--quality``.
@@ -57,7 +56,7 @@ def build_quality_model(
 
     >>> from flax import nnx
     >>> import jax.numpy as jnp
-    >>> from ensembles.benchmark.quality_models import build_quality_model
+    >>> from ensembles.benchmark.quality.models import build_quality_model
     >>> build_quality_model("cnn", rngs=nnx.Rngs(0))(jnp.ones((3, 40))).shape
     (3, 10)
     >>> digits = build_quality_model("cnn", input_shape=(8, 8), rngs=nnx.Rngs(0))
@@ -135,7 +134,7 @@ def build_model(
     (``mc_dropout``), and must fit the data itself.
 
     >>> from flax import nnx
-    >>> from ensembles.benchmark.quality_models import build_model
+    >>> from ensembles.benchmark.quality.models import build_model
     >>> def my_mlp(rngs):
     ...     return nnx.Sequential(nnx.Linear(40, 10, rngs=rngs))
     >>> type(build_model(my_mlp, rngs=nnx.Rngs(0))).__name__

@@ -6,20 +6,25 @@ regression task: NLL, CRPS and 90% coverage (recalibrated, and the
 split-conformal intervals' as trained) against severity, the PIT
 reliability diagram in distribution, and, for a task of one input, a second
 row with every method's predictive: its mean and 90% band over the whole
-input range, the training points, and where the shifted and OOD inputs lie.
+input range, the training points, and where the shifted and OOD inputs lie
+(those two: :mod:`~ensembles.benchmark.quality.regression.plots`).
 Position 0 of a severity axis is the in-distribution test set; error bars
 are standard deviations over seeds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from ensembles.benchmark.quality_regression import PIT_LEVELS
-from ensembles.benchmark.quality_report import summary_of
-from ensembles.benchmark.quality_tables import groups_of, method_label, title
+from ensembles.benchmark.quality.regression.plots import band_panels, reliability_panel
+from ensembles.benchmark.quality.report import summary_of
+from ensembles.benchmark.quality.tables import (
+    groups_of,
+    mean_and_std,
+    method_label,
+    title,
+)
 
 __all__ = ["write_quality_plot"]
 
@@ -38,12 +43,6 @@ _REGRESSION_PANELS = (
 )
 
 
-def _values(stats: Any) -> tuple[float, float]:
-    if isinstance(stats, dict):
-        return stats["mean"], stats["std"]
-    return stats, 0.0
-
-
 def _severity_panel(ax, group, part, metric, label) -> None:
     severities = [level["severity"] for level in group[0]["shift"]]
     positions = list(range(len(severities) + 1))
@@ -52,7 +51,7 @@ def _severity_panel(ax, group, part, metric, label) -> None:
         stats = [measured["in_distribution"][metric]] + [
             level[metric] for level in measured["shift"]
         ]
-        means, stds = zip(*(_values(s) for s in stats), strict=True)
+        means, stds = zip(*(mean_and_std(s) for s in stats), strict=True)
         line = ax.errorbar(
             positions,
             means,
@@ -70,7 +69,7 @@ def _severity_panel(ax, group, part, metric, label) -> None:
             ]
             ax.plot(
                 positions,
-                [_values(s)[0] for s in conformal],
+                [mean_and_std(s)[0] for s in conformal],
                 linestyle="--",
                 color=line[0].get_color(),
             )
@@ -85,57 +84,13 @@ def _severity_panel(ax, group, part, metric, label) -> None:
     ax.set_title(label, fontsize=9)
 
 
-def _reliability_panel(ax, group) -> None:
-    ax.plot([0, 1], [0, 1], color="black", linewidth=0.8)
-    for entry in group:
-        curve = entry["recalibrated"].get("pit_curve")
-        if curve is None:
-            continue
-        values = [_values(v)[0] for v in curve]
-        label = method_label(entry)
-        if any(value is None or math.isnan(value) for value in values):
-            label += " (NaN: not drawn)"  # a diverged prediction has no curve
-            values = [math.nan] * len(values)
-        ax.plot(PIT_LEVELS, values, marker=".", label=label)
-    ax.set_xlabel("level p")
-    ax.set_ylabel("share of test targets with PIT <= p")
-    ax.grid(alpha=0.3)
-    ax.set_title("PIT reliability, recalibrated", fontsize=9)
-
-
-def _band_panels(axes, group) -> None:
-    for ax, entry in zip(axes, group, strict=False):
-        bands = entry["recalibrated"].get("bands")
-        if bands is None:
-            ax.set_visible(False)
-            continue
-        x = [_values(v)[0] for v in bands["x"]]
-        lower = [_values(v)[0] for v in bands["lower"]]
-        upper = [_values(v)[0] for v in bands["upper"]]
-        ax.fill_between(x, lower, upper, alpha=0.3, label="90% interval")
-        ax.plot(x, [_values(v)[0] for v in bands["mean"]], label="mean")
-        ax.scatter(
-            [_values(v)[0] for v in bands["train_x"]],
-            [_values(v)[0] for v in bands["train_y"]],
-            s=4,
-            color="black",
-            label="training data",
-        )
-        ax.set_xlabel("x (standardised)")
-        ax.set_title(f"{method_label(entry)}, recalibrated", fontsize=9)
-        ax.grid(alpha=0.3)
-    for ax in axes[len(group) :]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize=7)
-
-
 def write_quality_plot(results: Sequence[dict[str, Any]], path: str) -> None:
     """Plots every task's figures against shift severity, per method.
 
     See the module docs for the panels.
 
     Args:
-      results: rows from :func:`~ensembles.benchmark.quality.run_quality`, or
+      results: rows from :func:`~ensembles.benchmark.quality.run.run_quality`, or
         their summary.
       path: the PNG to write.
     """
@@ -162,10 +117,10 @@ def write_quality_plot(results: Sequence[dict[str, Any]], path: str) -> None:
         )
         for ax, panel in zip(grid[0], _REGRESSION_PANELS, strict=False):
             _severity_panel(ax, group, *panel)
-        _reliability_panel(grid[0][len(_REGRESSION_PANELS)], group)
+        reliability_panel(grid[0][len(_REGRESSION_PANELS)], group)
         for ax in grid[0][len(_REGRESSION_PANELS) + 1 :]:
             ax.set_visible(False)
         grid[0][0].legend(fontsize=8)
         if len(grid) > 1:
-            _band_panels(grid[1], group)
+            band_panels(grid[1], group)
     figure.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ to every method, checks issue 59's targets on every pair (task, model):
   noise, and its calibration error within 0.01 of one model's (ECE; a
   regressor's |90% coverage - 0.9|).
 
-"Noise" is the benchmark's rule (``ensembles.benchmark.quality_report``): a
+"Noise" is the benchmark's rule (``ensembles.benchmark.quality.report``): a
 difference counts when it exceeds a fiftieth of one model's value and two
 standard errors of the difference of the means over seeds. The recommended
 calibration is chosen leave one pair out: for each pair, the calibration
@@ -28,6 +28,8 @@ calibrations are different functions::
 
     python benchmarks/shift_targets.py cls.json
     python benchmarks/shift_targets.py reg.json
+    python benchmarks/shift_targets.py cls.json study.json \\
+        --variants "batchensemble,independent head member batches"
 """
 
 import argparse
@@ -36,9 +38,11 @@ import math
 import statistics
 import sys
 
-from ensembles.benchmark.quality_report import MIN_GAP, MIN_GAP_STANDARD_ERRORS
+from ensembles.benchmark.quality.report import MIN_GAP, MIN_GAP_STANDARD_ERRORS
 
 CALIBRATIONS = ("as trained", "pooled", "pooled_noisy", "members", "members_noisy")
+#: The calibrations a recipe may end with (the ones fitted on held-out data).
+FITTED = CALIBRATIONS[1:]
 ECE_SLACK = 0.01
 
 
@@ -72,22 +76,37 @@ def _beyond_noise(better, worse):
 
 
 def load(paths):
-    """{(task, model): {method: [row per seed]}} from the JSON files."""
+    """{(task, model): {method: [row per seed]}} from the JSON files.
+
+    ``ensembles-bench --quality --json`` files hold ``results``; the rows of
+    ``benchmarks/diversity_study.py`` name a ``recipe`` (``single``,
+    ``deep``, or a BatchEnsemble candidate, which is its method here).
+    """
     pairs = {}
     for path in paths:
         with open(path) as f:
-            rows = json.load(f)["results"]
+            found = json.load(f)
+        rows = found["results"] if isinstance(found, dict) else found
         for row in rows:
+            method = row.get("recipe", row.get("method"))
+            method = {"deep": "deep_ensemble"}.get(method, method)
             key = (row["task"], row["model"])
-            pairs.setdefault(key, {}).setdefault(row["method"], []).append(row)
+            rows_of = pairs.setdefault(key, {}).setdefault(method, [])
+            # A seed run by two files (single and deep in both) counts once.
+            if all(r["seed"] != row["seed"] for r in rows_of):
+                rows_of.append(row)
     return pairs
 
 
-def check(methods, calibration):
-    """One pair's targets at ``calibration``, or ``None`` if not measured."""
+def check(methods, calibration, variant="batchensemble"):
+    """One pair's targets at ``calibration``, or ``None`` if not measured.
+
+    ``variant`` is the method that plays BatchEnsemble.
+    """
     values = {}
     for method in ("single", "batchensemble", "deep_ensemble"):
-        measured = [_measures(row, calibration) for row in methods.get(method, [])]
+        rows = methods.get(variant if method == "batchensemble" else method, [])
+        measured = [_measures(row, calibration) for row in rows]
         if not measured or any(m is None for m in measured):
             return None
         values[method] = [
@@ -139,74 +158,118 @@ def _shift_ranks(checks):
     return {c: order.index(c) + 1 for c in measured}
 
 
-def report(pairs):
-    table = {
-        pair: {c: check(methods, c) for c in CALIBRATIONS}
-        for pair, methods in sorted(pairs.items())
-    }
-    for calibration in CALIBRATIONS:
-        print(f"\n**{calibration}** (single / batchensemble / deep_ensemble)\n")
-        print("| pair | NLL | error | shift NLL | shift | gap closed | targets |")
-        print("|:---|---:|---:|---:|:---|---:|:---|")
-        for (task, model), checks in table.items():
-            r = checks[calibration]
-            if r is None:
-                continue
-            v = r["values"]
-            cells = [" / ".join(f"{v[m][i]:.3f}" for m in v) for i in range(3)]
-            missed = [
-                name
-                for name, ok in (
-                    ("gap", r["gap_ok"]),
-                    ("NLL", r["nll_ok"]),
-                    ("error", r["ece_ok"]),
-                )
-                if not ok
-            ]
-            gap = "n/a" if r["gap"] is None else f"{r['gap']:.0%}"
-            print(
-                f"| {task} {model} | {' | '.join(cells)} | {r['shift']} | {gap} | "
-                + ("missed: " + ", ".join(missed) if missed else "met")
-                + " |"
+def _print_table(table, variant, calibration):
+    print(f"\n**{variant}, {calibration}** (single / {variant} / deep_ensemble)\n")
+    print("| pair | NLL | error | shift NLL | shift | gap closed | targets |")
+    print("|:---|---:|---:|---:|:---|---:|:---|")
+    for (task, model), checks in table.items():
+        r = checks[calibration]
+        if r is None:
+            continue
+        v = r["values"]
+        cells = [" / ".join(f"{v[m][i]:.3f}" for m in v) for i in range(3)]
+        missed = [
+            name
+            for name, ok in (
+                ("gap", r["gap_ok"]),
+                ("NLL", r["nll_ok"]),
+                ("error", r["ece_ok"]),
             )
-        measured = [c[calibration] for c in table.values() if c[calibration]]
-        shifts = [r["shift"] for r in measured]
+            if not ok
+        ]
+        gap = "n/a" if r["gap"] is None else f"{r['gap']:.0%}"
         print(
-            f"\n{len(measured)} pairs: shift {shifts.count('win')} wins, "
-            f"{shifts.count('tie')} ties, {shifts.count('loss')} losses; gap "
-            f"under half on {sum(not r['gap_ok'] for r in measured)}; NLL worse on "
-            f"{sum(not r['nll_ok'] for r in measured)}, calibration error beyond "
-            f"{ECE_SLACK} on {sum(not r['ece_ok'] for r in measured)}"
+            f"| {task} {model} | {' | '.join(cells)} | {r['shift']} | {gap} | "
+            + ("missed: " + ", ".join(missed) if missed else "met")
+            + " |"
         )
-    ranks = {pair: _shift_ranks(checks) for pair, checks in table.items()}
+    measured = [c[calibration] for c in table.values() if c[calibration]]
+    shifts = [r["shift"] for r in measured]
     print(
-        "\nLeave one pair out (on the other pairs: fewest shift failures, then "
-        "gaps under half, then in-distribution misses, then the lowest mean rank "
-        "of the shift NLL):\n"
+        f"\n{len(measured)} pairs: shift {shifts.count('win')} wins, "
+        f"{shifts.count('tie')} ties, {shifts.count('loss')} losses; gap "
+        f"under half on {sum(not r['gap_ok'] for r in measured)}; NLL worse on "
+        f"{sum(not r['nll_ok'] for r in measured)}, calibration error beyond "
+        f"{ECE_SLACK} on {sum(not r['ece_ok'] for r in measured)}"
+    )
+
+
+def report(pairs, variants=("batchensemble",), choose_from=FITTED):
+    """Prints every variant's tables and the leave-one-pair-out choice.
+
+    The choice is among (variant, calibration) in ``choose_from``; "as
+    trained" is printed but not chosen by default: it compares the ensemble
+    with one model as trained, whose in-distribution ECE (0.03-0.17 on the
+    classification pairs) nobody ships, so its in-distribution targets are
+    met by a baseline, not by the ensemble.
+    """
+    tables = {
+        variant: {
+            pair: {c: check(methods, c, variant) for c in CALIBRATIONS}
+            for pair, methods in sorted(pairs.items())
+        }
+        for variant in variants
+    }
+    for variant, table in tables.items():
+        for calibration in CALIBRATIONS:
+            _print_table(table, variant, calibration)
+    combos = [(v, c) for v in variants for c in choose_from]
+    pair_list = list(next(iter(tables.values())))
+    ranks = {}
+    for pair in pair_list:
+        measured = [k for k in combos if tables[k[0]][pair][k[1]] is not None]
+        order = sorted(
+            measured,
+            key=lambda k: tables[k[0]][pair][k[1]]["values"]["batchensemble"][2],
+        )
+        ranks[pair] = {k: order.index(k) + 1 for k in measured}
+    print(
+        "\nLeave one pair out, among "
+        + ", ".join(choose_from)
+        + " (on the other pairs: fewest shift failures, then gaps under half, "
+        "then in-distribution misses, then the lowest mean rank of the shift "
+        "NLL):\n"
     )
     chosen = {}
-    for held in table:
-        others = [p for p in table if p != held]
+    for held in pair_list:
+        others = [p for p in pair_list if p != held]
         scored = []
-        for calibration in CALIBRATIONS:
-            results = [table[p][calibration] for p in others]
+        for variant, calibration in combos:
+            results = [tables[variant][p][calibration] for p in others]
             if any(r is None for r in results):
                 continue
-            rank = [ranks[p][calibration] for p in others]
-            scored.append((score(results, rank), calibration))
+            rank = [ranks[p][(variant, calibration)] for p in others]
+            scored.append((score(results, rank), variant, calibration))
         scored.sort()
-        chosen[held] = scored[0][1]
-        print(f"- {held[0]} {held[1]}: {scored[0][1]} {scored[0][0]}")
+        chosen[held] = scored[0][1:]
+        print(f"- {held[0]} {held[1]}: {' + '.join(scored[0][1:])} {scored[0][0]}")
     if len(set(chosen.values())) == 1:
-        print(f"\nEvery pair's choice: {next(iter(chosen.values()))}")
-    return table
+        print(f"\nEvery pair's choice: {' + '.join(next(iter(chosen.values())))}")
+    return tables
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", nargs="+", help="ensembles-bench --quality --json")
+    parser.add_argument(
+        "json", nargs="+", help="ensembles-bench --quality --json, or study rows"
+    )
+    parser.add_argument(
+        "--variants",
+        default="batchensemble",
+        help="comma-separated methods (or diversity-study recipes) that play "
+        "BatchEnsemble, chosen among with the calibrations",
+    )
+    parser.add_argument(
+        "--choose-from",
+        default=",".join(FITTED),
+        help=f"the calibrations to choose among (of {', '.join(CALIBRATIONS)})",
+    )
     args = parser.parse_args(argv)
-    report(load(args.json))
+    report(
+        load(args.json),
+        tuple(args.variants.split(",")),
+        tuple(args.choose_from.split(",")),
+    )
     return 0
 
 

@@ -10,7 +10,7 @@ from sphinx.util.inspect import stringify_signature
 
 import ensembles
 
-project = "ensembles"
+project = "flax-ensembles"
 author = "The ensembles developers"
 copyright = "The ensembles developers"
 release = ensembles.__version__
@@ -44,7 +44,7 @@ autodoc_default_options = {"members": None, "special-members": "__call__"}
 autodoc_preserve_defaults = True
 
 html_theme = "furo"
-html_title = f"ensembles {release}"
+html_title = f"flax-ensembles {release}"
 
 
 def _module_signature(app, what, name, obj, options, signature, return_annotation):

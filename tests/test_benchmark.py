@@ -128,7 +128,7 @@ def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path):
     assert raised.value.code == 2
     err = capsys.readouterr().err
     assert "--plot needs matplotlib" in err
-    assert "pip install 'ensembles[bench]'" in err
+    assert "pip install 'flax-ensembles[bench]'" in err
     assert not (tmp_path / "out.png").exists()
 
 

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: How to install what the benchmarks need.
-EXTRA_HINT = "pip install 'ensembles[bench]'"
+EXTRA_HINT = "pip install 'flax-ensembles[bench]'"
 
 #: What ``--help`` says under the options: how to read the tables.
 EPILOG = (

@@ -25,7 +25,7 @@ def optax_module() -> Any:
         import optax
     except ImportError as error:
         raise ImportError(
-            "mode 'train' needs optax: pip install 'ensembles[bench]'."
+            "mode 'train' needs optax: pip install 'flax-ensembles[bench]'."
         ) from error
     return optax
 

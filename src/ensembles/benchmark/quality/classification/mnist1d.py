@@ -68,7 +68,7 @@ HARSH_SHIFTS: dict[str, tuple[str, tuple[float, ...]]] = {
 }
 
 _DATA_SEED = 42  # mnist1d's own default seed (our sets are larger than its 5,000)
-_INSTALL_HINT = "pip install 'ensembles[bench]' (or pip install mnist1d)"
+_INSTALL_HINT = "pip install 'flax-ensembles[bench]' (or pip install mnist1d)"
 
 
 def _mnist1d() -> Any:

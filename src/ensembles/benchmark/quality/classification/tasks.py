@@ -99,7 +99,7 @@ TABULAR_SHIFTS: dict[str, tuple[float, ...]] = {
     "dropout": (0.05, 0.15, 0.25, 0.4, 0.6),
 }
 
-_INSTALL_HINT = "pip install 'ensembles[bench]' (or pip install scikit-learn)"
+_INSTALL_HINT = "pip install 'flax-ensembles[bench]' (or pip install scikit-learn)"
 _DIGITS_TEST = 600
 _TABULAR_SIZES = (6000, 2000, 1000)  # train, test (and each OOD set), shifted
 _TABULAR_ARGS = {

@@ -32,7 +32,7 @@ import numpy as np
 import ensembles
 from ensembles.benchmark.quality.classification.mnist1d import SHIFTS, mnist1d_sets
 from ensembles.benchmark.quality.classification.scores import evaluate
-from ensembles.benchmark.quality.methods import train_method
+from ensembles.benchmark.quality.methods import BATCH_SIZE, train_method
 from ensembles.benchmark.quality.run import split_validation
 from ensembles.benchmark.quality.tasks import TASK_MODELS, TASK_STEPS, load_task
 
@@ -100,6 +100,15 @@ CANDIDATES = {
     # Issue 59: members that differ where it counts.
     "independent head": {"independent_head": True},
     "independent head member batches": {"independent_head": True, "tiled": False},
+    # The same with E = 8 members at the rows of E = 4 per step (B halved):
+    # more members for the same training compute ("members" overrides the
+    # study's E; its rows say 8).
+    "independent head member batches E8": {
+        "independent_head": True,
+        "tiled": False,
+        "members": 8,
+        "batch_size": BATCH_SIZE // 2,
+    },
     # uncertainty-baselines' rank-1 recipe (baselines/cifar/rank1_bnn.py):
     # random +-1 fast-weight means, the fast weights at the full learning
     # rate; the prior (0.1 about 1), the KL annealing and 4 draws per member
@@ -158,7 +167,9 @@ def run(args):
                     continue
                 for members in args.members:
                     for name, recipe in recipes.items():
-                        e = 1 if name == "single" else members
+                        options = dict(recipe)
+                        e = options.pop("members", members)
+                        e = 1 if name == "single" else e
                         row = {
                             "task": task,
                             "model": model,
@@ -168,7 +179,6 @@ def run(args):
                         }
                         if _key(row) in done:
                             continue
-                        options = dict(recipe)
                         method = options.pop("method", "batchensemble")
                         steps = _steps(task) * options.pop("steps_factor", 1)
                         began = time.time()

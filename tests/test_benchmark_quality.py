@@ -293,6 +293,45 @@ def test_what_each_member_sees(data, monkeypatch, method, options, draws):
     assert calls == [(200, 100, draws)]  # traced once, B = 100 per member
 
 
+def test_batch_size_sets_the_rows_of_each_member(data, monkeypatch):
+    # E = 8 at B = 50 runs the rows of E = 4 at B = 100 (issue 59's E = 8
+    # "at the same rows per step").
+    calls = []
+    original = ensembles.training.member_batches
+
+    def recording(key, count, *, batch_size, num_members):
+        calls.append((batch_size, num_members))
+        return original(key, count, batch_size=batch_size, num_members=num_members)
+
+    monkeypatch.setattr(ensembles.training, "member_batches", recording)
+    trained = train_method(
+        "batchensemble",
+        "mlp",
+        data.x_train,
+        data.y_train,
+        num_members=8,
+        steps=2,
+        tiled=False,
+        batch_size=50,
+    )
+    assert calls == [(50, 8)]
+    assert trained.predict(data.x_test[:3]).shape[:2] == (8, 3)
+
+
+@pytest.mark.parametrize("batch_size", [0, -4, 2.5, True])
+def test_a_bad_batch_size_is_refused_by_name(data, batch_size):
+    with pytest.raises((ValueError, TypeError), match="batch_size"):
+        train_method(
+            "single",
+            "mlp",
+            data.x_train,
+            data.y_train,
+            num_members=2,
+            steps=1,
+            batch_size=batch_size,
+        )
+
+
 @pytest.mark.slow
 def test_training_reduces_the_loss_and_is_seeded(data):
     def nll(seed, steps):

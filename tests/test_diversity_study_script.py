@@ -85,7 +85,52 @@ def test_every_candidate_names_train_method_arguments(script):
 
     accepted = set(inspect.signature(train_method).parameters)
     for name, recipe in script.CANDIDATES.items():
-        unknown = set(recipe) - accepted - {"method", "steps_factor"}
+        unknown = set(recipe) - accepted - {"method", "steps_factor", "members"}
         assert not unknown, (name, unknown)
     with pytest.raises(SystemExit):
         script.main(["--recipes", "no such recipe", "--json", "unused.json"])
+
+
+def test_a_candidate_of_more_members_runs_them_at_the_same_rows(
+    script, tmp_path, monkeypatch
+):
+    # "independent head member batches E8": 8 members of B/2 rows each, the
+    # rows of the study's E = 4 per step; its row says 8 members.
+    calls = []
+
+    class Trained:
+        train_s = 0.0
+
+    def fake_train(method, model, x, y, *, num_members, **options):
+        calls.append((method, num_members, options.get("batch_size")))
+        return Trained()
+
+    measured = {"nll": 1.0, "ece": 0.1, "accuracy": 0.5}
+    monkeypatch.setattr(script, "train_method", fake_train)
+    monkeypatch.setattr(
+        script,
+        "evaluate",
+        lambda *a, **k: {
+            "recalibrated": {"in_distribution": measured, "shift_mean": measured}
+        },
+    )
+    path = tmp_path / "study.json"
+    script.main(
+        [
+            "--json",
+            str(path),
+            "--tasks",
+            "tabular",
+            "--seeds",
+            "0",
+            "--recipes",
+            "independent head member batches E8",
+        ]
+    )
+    assert calls == [
+        ("single", 1, None),
+        ("deep_ensemble", 4, None),
+        ("batchensemble", 8, script.BATCH_SIZE // 2),
+    ]
+    rows = json.loads(path.read_text())
+    assert [row["members"] for row in rows] == [1, 4, 8]

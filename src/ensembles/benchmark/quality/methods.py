@@ -174,6 +174,7 @@ def train_method(
     num_members: int,
     steps: int = STEPS,
     seed: int = 0,
+    batch_size: int = BATCH_SIZE,
     fast_weight_init: Initializer | tuple[Initializer, Initializer] | None = None,
     fast_lr_multiplier: float = FAST_LR_MULTIPLIER,
     tiled: bool = True,
@@ -226,6 +227,9 @@ def train_method(
       steps: optimizer steps.
       seed: seed of the parameters, the fast weights, the batches and the
         dropout masks.
+      batch_size: B, the examples each member sees per step (:data:`BATCH_SIZE`;
+        at most the training examples); an ensemble's step runs ``E * B``
+        rows, so E = 8 at ``BATCH_SIZE // 2`` runs the rows of E = 4.
       fast_weight_init: the fast weights' ``r_init`` and ``s_init`` (one
         for both, or a pair ``(r_init, s_init)``); ``None``
         keeps the library's default.
@@ -290,7 +294,7 @@ def train_method(
         num_members=num_members,
         steps=steps,
         seed=seed,
-        batch_size=BATCH_SIZE,
+        batch_size=check_positive_int(batch_size, "batch_size"),
         regression=regression,
         num_classes=num_classes,
     )

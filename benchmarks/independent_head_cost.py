@@ -11,8 +11,11 @@ CPU, an H100 and a TPU v5e (deviceless: the compile tier's compilers) for
 their flops, HBM bytes and kernels::
 
     python benchmarks/independent_head_cost.py --rounds 200
+    python benchmarks/independent_head_cost.py --rounds 0 --chips v5e --classes 128
 
-Prints one table row per model and chip: default / independent head.
+Prints one table row per model and chip: default / independent head, and
+for each compiled program the bytes of its copy kernels (XLA's layout
+changes). ``--rounds 0`` skips the CPU timing.
 """
 
 import argparse
@@ -33,10 +36,10 @@ from ensembles.benchmark.quality.training import independent_head_options
 E, B, FEATURES, CLASSES = 4, 100, 40, 10  # the quality benchmark's MNIST-1D
 
 
-def _models(name):
+def _models(name, classes):
     """{"default": model, "independent head": model}, the same plain start."""
     plain = build_quality_model(
-        name, input_shape=(FEATURES,), num_classes=CLASSES, rngs=nnx.Rngs(0)
+        name, input_shape=(FEATURES,), num_classes=classes, rngs=nnx.Rngs(0)
     )
     return {
         "default": ensembles.to_batch_ensemble(plain, num_members=E, rngs=nnx.Rngs(1)),
@@ -62,21 +65,21 @@ def _step(graphdef, tx):
     return step
 
 
-def _prepared(model):
+def _prepared(model, classes):
     graphdef, params = nnx.split(model, nnx.Param)
     tx = optax.adamw(1e-3)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((E * B, FEATURES)), jnp.float32)
-    y = jnp.asarray(rng.integers(0, CLASSES, E * B))
+    y = jnp.asarray(rng.integers(0, classes, E * B))
     opt_state = tx.init(params)
     return _step(graphdef, tx), (params, opt_state, x, y)
 
 
-def cpu_times(name, rounds):
+def cpu_times(name, rounds, classes=CLASSES):
     """Median seconds of one train step, per variant, interleaved."""
     steps = {}
-    for variant, model in _models(name).items():
-        step, args = _prepared(model)
+    for variant, model in _models(name, classes).items():
+        step, args = _prepared(model, classes)
         compiled = jax.jit(step).lower(*args).compile()
         steps[variant] = lambda compiled=compiled, args=args: jax.block_until_ready(
             compiled(*args)
@@ -85,42 +88,60 @@ def cpu_times(name, rounds):
     return {variant: statistics.median(values) for variant, values in times.items()}
 
 
-def compiled_costs(name, chip):
+def compiled_costs(name, chip, classes=CLASSES):
     """Flops, bytes and kernels of each variant's train step for ``chip``."""
     costs = {}
-    for variant, model in _models(name).items():
-        step, args = _prepared(model)
+    for variant, model in _models(name, classes).items():
+        step, args = _prepared(model, classes)
         specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
         cost = program_cost(chip, step, specs, donate_argnums=(0, 1))
         costs[variant] = cost
     return costs
 
 
+def _copies(cost):
+    """Bytes of the kernels that copy and nothing else (XLA's layout changes)."""
+    return sum(
+        k.hbm_bytes * k.trips for k in cost.program.kernels if k.ops == ("copy",)
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--chips", default="cpu,h100,v5e")
+    parser.add_argument(
+        "--classes", type=int, default=CLASSES, help="the head's outputs (10)"
+    )
     args = parser.parse_args(argv)
-    print(f"jax {jax.__version__}; E={E}, B={B}; default / independent head")
-    print("\n| model | CPU ms per step | ratio |")
-    print("|:---|---:|---:|")
-    for name in ("mlp", "cnn"):
-        median = cpu_times(name, args.rounds)
-        a, b = median["default"], median["independent head"]
-        print(f"| {name} | {1e3 * a:.3f} / {1e3 * b:.3f} | {b / a:.3f} |")
-    print("\n| model | chip | flops ratio | bytes ratio | kernel launches |")
-    print("|:---|:---|---:|---:|---:|")
+    print(
+        f"jax {jax.__version__}; E={E}, B={B}, {args.classes} classes; "
+        "default / independent head"
+    )
+    if args.rounds:
+        print("\n| model | CPU ms per step | ratio |")
+        print("|:---|---:|---:|")
+        for name in ("mlp", "cnn"):
+            median = cpu_times(name, args.rounds, args.classes)
+            a, b = median["default"], median["independent head"]
+            print(f"| {name} | {1e3 * a:.3f} / {1e3 * b:.3f} | {b / a:.3f} |")
+    print(
+        "\n| model | chip | flops ratio | bytes ratio | kernel launches "
+        "| copies, bytes |"
+    )
+    print("|:---|:---|---:|---:|---:|---:|")
     for name in ("mlp", "cnn"):
         for chip in args.chips.split(","):
             try:
-                costs = compiled_costs(name, chip)
+                costs = compiled_costs(name, chip, args.classes)
             except RuntimeError as error:  # the chip's compiler is missing
-                print(f"| {name} | {chip} | not compiled: {error} | | |")
+                print(f"| {name} | {chip} | not compiled: {error} | | | |")
                 continue
             a, b = costs["default"], costs["independent head"]
             print(
                 f"| {name} | {chip} | {b.flops / a.flops:.3f} "
-                f"| {b.hbm_bytes / a.hbm_bytes:.3f} | {a.launches} / {b.launches} |"
+                f"| {b.hbm_bytes / a.hbm_bytes:.3f} | {a.launches} / {b.launches} "
+                f"| {_copies(a)} / {_copies(b)} |"
             )
     return 0
 

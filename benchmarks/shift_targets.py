@@ -40,7 +40,14 @@ import sys
 
 from ensembles.benchmark.quality.report import MIN_GAP, MIN_GAP_STANDARD_ERRORS
 
-CALIBRATIONS = ("as trained", "pooled", "pooled_noisy", "members", "members_noisy")
+CALIBRATIONS = (
+    "as trained",
+    "pooled",
+    "pooled_noisy",
+    "members",
+    "members_noisy",
+    "members_noisy_pooled",
+)
 #: The calibrations a recipe may end with (the ones fitted on held-out data).
 FITTED = CALIBRATIONS[1:]
 ECE_SLACK = 0.01

@@ -7,6 +7,7 @@ import random
 import socket
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -468,11 +469,23 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
     for x in trained_on:  # no method saw a validation example
         assert len(x) == 100 and not {row.tobytes() for row in x} & held
     # Per method: the temperature on the held-out rows, then the one on them
-    # and their noisy copies (noise scaled by the training inputs' std alone).
-    assert len(fitted) == 2 * len(predicted) == 4
+    # and their noisy copies (noise scaled by the training inputs' std
+    # alone), then members_noisy_pooled's level: on the held-out rows again,
+    # their members rescaled by the temperatures fitted on the noisy set.
+    assert len(fitted) == 3 * len(predicted) == 6
     x_noisy, y_noisy = noisy_validation(data.x_train, x_valid, y_valid)
     for i, predict in enumerate(predicted):
-        (logits, labels), (noisy_logits, noisy_labels) = fitted[2 * i : 2 * i + 2]
+        (logits, labels), (noisy_logits, noisy_labels), (rescaled, level_labels) = (
+            fitted[3 * i : 3 * i + 3]
+        )
+        member_t = uncertainty.fit_member_temperatures(noisy_logits, noisy_labels)
+        np.testing.assert_allclose(
+            rescaled,
+            np.asarray(uncertainty.scale_member_temperatures(logits, member_t)),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        np.testing.assert_array_equal(level_labels, y_valid)
         np.testing.assert_array_equal(labels, y_valid)
         np.testing.assert_array_equal(logits, np.asarray(predict(x_valid)))
         np.testing.assert_array_equal(noisy_labels, y_noisy)
@@ -483,6 +496,10 @@ def test_the_temperature_is_fitted_on_held_out_training_data_only(data, monkeypa
         assert row["temperature"] == pytest.approx(float(original_fit(logits, labels)))
         assert row["calibrations"]["pooled_noisy"]["temperature"] == pytest.approx(
             float(original_fit(noisy_logits, noisy_labels))
+        )
+        two_stage = row["calibrations"]["members_noisy_pooled"]["temperature"]
+        assert two_stage == pytest.approx(
+            float(jnp.mean(member_t) * original_fit(rescaled, level_labels)), rel=1e-5
         )
 
 

@@ -231,3 +231,87 @@ def test_pairwise_gaussian_kl_is_the_closed_form():
     assert np.isnan(bad[2]) and np.allclose(bad[3], expected[3], rtol=1e-4)
     with pytest.raises(ValueError, match="`stds` must be given"):
         uncertainty.pairwise_gaussian_kl(MEANS, None)
+
+
+def _measure_on(x, y, predict, regression):
+    """A calibration's ``measure`` for the benchmark's calibrate_* (its NLL)."""
+
+    def measure(transform):
+        if regression:
+            means, stds = transform(*predict(x))
+            nll = uncertainty.mixture_nll(means, stds, y)
+        else:
+            nll = uncertainty.nll(transform(predict(x)), y)
+        value = {"nll": float(nll)}
+        return {"in_distribution": value, "shift_mean": value}
+
+    return measure
+
+
+def test_the_benchmark_s_two_stage_calibration_is_members_then_one_level():
+    # members_noisy_pooled: each member's temperature from the noisy copies,
+    # then one temperature of the pooled, rescaled predictive from the clean
+    # held-out examples; a regressor's the same with std scales.
+    from ensembles.benchmark.quality.calibration import (
+        calibrate_classifier,
+        calibrate_regressor,
+        noisy_validation,
+    )
+
+    rng = np.random.default_rng(0)
+    x_train = rng.standard_normal((50, 3)).astype(np.float32)
+    x_valid = rng.standard_normal((40, 3)).astype(np.float32)
+    y_valid = rng.integers(0, 3, 40)
+    weights = jnp.asarray(rng.standard_normal((2, 3, 3)), jnp.float32) * 3
+
+    def predict(x):  # two overconfident members, [E, N, C]
+        return jnp.einsum("nf,efc->enc", jnp.asarray(x), weights)
+
+    bounds = (0.05, 20.0)
+    found = calibrate_classifier(
+        predict,
+        _measure_on(x_valid, y_valid, predict, False),
+        x_train,
+        x_valid,
+        y_valid,
+        bounds,
+    )["members_noisy_pooled"]
+    x_noisy, y_noisy = noisy_validation(x_train, x_valid, y_valid)
+    member_t = uncertainty.fit_member_temperatures(
+        predict(x_noisy), y_noisy, bounds=bounds
+    )
+    rescaled = uncertainty.scale_member_temperatures(predict(x_valid), member_t)
+    level = uncertainty.fit_temperature(rescaled, y_valid, bounds=bounds)
+    expected = uncertainty.nll(uncertainty.scale_temperature(rescaled, level), y_valid)
+    assert found["in_distribution"]["nll"] == pytest.approx(float(expected), rel=1e-5)
+    assert found["temperature"] == pytest.approx(float(jnp.mean(member_t) * level))
+    # The level is fitted on the clean set: no other level does better there.
+    for other in (0.8 * level, 1.25 * level):
+        worse = uncertainty.nll(uncertainty.scale_temperature(rescaled, other), y_valid)
+        assert float(worse) >= float(expected) - 1e-6
+
+    targets = rng.standard_normal(40).astype(np.float32)
+
+    def predict_gaussian(x):  # two members, [E, N] means and stds
+        means = jnp.stack([jnp.asarray(x)[:, 0], jnp.asarray(x)[:, 1]])
+        return means, jnp.full_like(means, 0.3)
+
+    found = calibrate_regressor(
+        predict_gaussian,
+        _measure_on(x_valid, targets, predict_gaussian, True),
+        x_train,
+        x_valid,
+        targets,
+        (0.05, 20.0),
+    )["members_noisy_pooled"]
+    x_noisy, t_noisy = noisy_validation(x_train, x_valid, targets)
+    member_s = uncertainty.fit_member_std_scales(
+        *predict_gaussian(x_noisy), t_noisy, bounds=(0.05, 20.0)
+    )
+    rescaled = uncertainty.scale_member_stds(*predict_gaussian(x_valid), member_s)
+    level = uncertainty.fit_std_scale(*rescaled, targets, bounds=(0.05, 20.0))
+    expected = uncertainty.mixture_nll(
+        *uncertainty.scale_std(*rescaled, level), targets
+    )
+    assert found["in_distribution"]["nll"] == pytest.approx(float(expected), rel=1e-5)
+    assert found["std_scale"] == pytest.approx(float(jnp.mean(member_s) * level))

@@ -208,6 +208,7 @@ _CALIBRATION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("pooled, noisy", "pooled_noisy"),
     ("members", "members"),
     ("members, noisy", "members_noisy"),
+    ("members, noisy, then pooled", "members_noisy_pooled"),
 )
 
 

@@ -348,23 +348,33 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
     compiled, opt_state, _ = compile_train(
         loss_fn, params, rest, x, labels, learning_rate=LEARNING_RATE
     )
-    state = {"params": params, "opt_state": opt_state, "rest": rest}
-
-    def step():
-        state["params"], state["opt_state"], state["rest"], loss = compiled(
-            state["params"], state["opt_state"], state["rest"], x, labels
-        )
-        return loss
-
+    step, current = _stateful(compiled, params, opt_state, rest, x, labels)
     return Prepared(
         method,
         step,
-        lambda: state["params"],
+        current,
         num_params,
         param_bytes,
         _memory(compiled),
         loss_name,
     )
+
+
+def _stateful(compiled, params, opt_state, rest, *data):
+    """A compiled train step over state it keeps: ``(step, params)``.
+
+    ``step()`` runs ``compiled(params, opt_state, rest, *data)``, keeps what
+    it returns and gives the loss; ``params()`` the current parameters.
+    """
+    state = {"params": params, "opt_state": opt_state, "rest": rest}
+
+    def step():
+        state["params"], state["opt_state"], state["rest"], loss = compiled(
+            state["params"], state["opt_state"], state["rest"], *data
+        )
+        return loss
+
+    return step, lambda: state["params"]
 
 
 def _prepare_vmap(members, mode, xs, ys) -> Prepared:
@@ -406,18 +416,11 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
     compiled, opt_state, _ = compile_train(
         loss_fn, params, rest, xs, ys, learning_rate=LEARNING_RATE
     )
-    state = {"params": params, "opt_state": opt_state, "rest": rest}
-
-    def step():
-        state["params"], state["opt_state"], state["rest"], losses = compiled(
-            state["params"], state["opt_state"], state["rest"], xs, ys
-        )
-        return losses
-
+    step, current = _stateful(compiled, params, opt_state, rest, xs, ys)
     return Prepared(
         "deep_ensemble",
         step,
-        lambda: state["params"],
+        current,
         num_params,
         param_bytes,
         _memory(compiled),

@@ -1,8 +1,8 @@
-"""Four ways to calibrate a method, measured alike, and its members' diversity.
+"""The ways to calibrate a method, measured alike, and its members' diversity.
 
 Beside "as trained" and "recalibrated" (one temperature of the pooled
 predictive fitted on the clean held-out examples, or a regressor's one scale
-of its spread), the quality benchmark measures every method at three more
+of its spread), the quality benchmark measures every method at four more
 calibrations (:data:`CALIBRATIONS`), all fitted on examples held out of the
 training data, never on a test or shifted set:
 

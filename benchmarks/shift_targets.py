@@ -238,6 +238,9 @@ def report(pairs, variants=("batchensemble",), choose_from=FITTED):
         "NLL):\n"
     )
     chosen = {}
+    if len(pair_list) < 2:  # nothing is left to choose on
+        print("- one pair only: no pair is left to choose on")
+        return tables
     for held in pair_list:
         others = [p for p in pair_list if p != held]
         scored = []

@@ -109,3 +109,14 @@ def test_a_seed_in_two_files_counts_once(script, tmp_path):
     second.write_text(json.dumps(study))
     pairs = script.load([first, second])
     assert [len(v) for v in pairs[("t", "mlp")].values()] == [3, 3, 3]
+
+
+def test_one_pair_prints_its_tables_and_chooses_nothing(script, tmp_path, capsys):
+    # A held-out check has one pair: leaving it out leaves nothing to choose
+    # on (the mean rank of no pairs raised StatisticsError).
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps({"results": _rows("held", be_shift=0.85)}))
+    assert script.main([str(path)]) in (None, 0)
+    out = capsys.readouterr().out
+    assert "| held mlp |" in out
+    assert "one pair only: no pair is left to choose on" in out

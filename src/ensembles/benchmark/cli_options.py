@@ -128,7 +128,7 @@ def add_common_options(parser: argparse.ArgumentParser) -> None:
         help="fewer sizes and rounds (E=1,4, 5 rounds): under a minute on a 2-core "
         "CPU; --quality: one seed, and on MNIST-1D the CNN and smaller sets "
         "(2,000 training sequences, not 8,000; 500 test; 200 per shifted set), "
-        "about four minutes on a 2-core CPU (a regression task: its MLP, one "
+        "about one to four minutes on a 2-core CPU (a regression task: its MLP, one "
         "seed): a smoke run, less accurate than the full run's figures",
     )
 

@@ -235,6 +235,7 @@ def test_methods_are_what_they_claim(data):
     assert shapes == {
         "single": (1, 7, 10),
         "batchensemble": (3, 7, 10),
+        "batchensemble_shift": (3, 7, 10),
         "rank1": (3 * EVAL_DRAWS, 7, 10),  # every draw a member
         "finetuned": (3, 7, 10),
         "deep_ensemble": (3, 7, 10),
@@ -248,6 +249,11 @@ def test_methods_are_what_they_claim(data):
     # rank1: BatchEnsemble + a posterior scale per fast weight.
     fast = sum(3 * (i + o) for i, o in ((40, 256), (256, 256), (256, 10)))
     assert trained["rank1"].params == trained["batchensemble"].params + fast
+    # The recipe for shift: the head's shared kernel and fast weights
+    # become a kernel per member (biases per member in both).
+    head_be, head_own = 256 * 10 + 3 * (256 + 10), 3 * 256 * 10
+    shift = trained["batchensemble_shift"].params
+    assert shift == trained["batchensemble"].params - head_be + head_own
     # finetuned: the single model converted (the same parameters as BE's).
     assert trained["finetuned"].params == trained["batchensemble"].params
     # rank1 draws its fast weights anew on every call: two predictions differ.
@@ -256,6 +262,7 @@ def test_methods_are_what_they_claim(data):
     # Members differ (fast weights, initialisations, dropout masks).
     for method in (
         "batchensemble",
+        "batchensemble_shift",
         "rank1",
         "finetuned",
         "deep_ensemble",
@@ -275,6 +282,7 @@ def test_methods_are_what_they_claim(data):
         ("mc_dropout", {}, 1),
         ("batchensemble", {}, 1),  # one batch, tiled for every member
         ("batchensemble", {"tiled": False}, 3),  # a batch of its own each
+        ("batchensemble_shift", {}, 3),  # the recipe for shift: its own too
         ("rank1", {}, 1),
         ("deep_ensemble", {}, 3),
     ],
@@ -1063,6 +1071,22 @@ def test_a_diverged_classifier_is_marked_and_the_others_stand(data):
     best = next(line for line in text.splitlines() if line.startswith("best"))
     assert "deep_ensemble" in best
     assert summarize(rows)[1]["gap_closed_as_trained"]["in_distribution"] is None
+
+
+def test_the_recipe_for_shift_has_a_head_per_member():
+    # batchensemble_shift: docs/training.md's recipe for shift, an
+    # EnsembleLinear output layer drawn afresh per member (the benchmark
+    # measures its per-member calibration for every method).
+    x = np.random.default_rng(0).standard_normal((40, 40)).astype(np.float32)
+    y = np.arange(40) % 10
+    trained = train_method("batchensemble_shift", "mlp", x, y, num_members=3, steps=2)
+    head = trained.model.layers[-1]
+    assert type(head) is ensembles.EnsembleLinear
+    kinds = [type(layer) for layer in trained.model.layers]
+    assert kinds.count(ensembles.BatchEnsembleLinear) == 2  # the hidden ones
+    kernel = np.asarray(head.kernel[...])
+    assert not np.allclose(kernel[0], kernel[1])
+    assert trained.predict(x[:5]).shape == (3, 5, 10)
 
 
 def test_an_independent_head_is_drawn_afresh_per_member():

@@ -260,6 +260,7 @@ def test_a_users_regression_data_runs_every_method(tmp_path):
     assert [row["method"] for row in rows] == [
         "single",
         "batchensemble",
+        "batchensemble_shift",
         "rank1",
         "finetuned",
         "deep_ensemble",

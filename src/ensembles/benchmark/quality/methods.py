@@ -11,6 +11,13 @@ optimizer, learning rate, batch size B and number of steps:
   the mean of the member losses (:func:`ensembles.training.cross_entropy`),
   the fast weights get no weight decay and :data:`FAST_LR_MULTIPLIER` times
   the learning rate (:func:`ensembles.optim.split_fast_weights`);
+- ``batchensemble_shift``: ``batchensemble`` with the recipe for shift of
+  ``docs/training.md``: the output layer an
+  :class:`ensembles.EnsembleLinear` drawn afresh per member
+  (``to_batch_ensemble(..., independent=...)``) and each member B examples of
+  its own per step (:func:`ensembles.training.member_batches`); the
+  calibration it was chosen with, a temperature per member on noisy copies,
+  is the benchmark's ``members_noisy`` (measured for every method);
 - ``rank1``: ``batchensemble`` with rank-1 Bayesian fast weights
   (``posterior="gaussian"``, the library's prior and posterior defaults),
   trained by the recipe of ``docs/rank1.md``: the loss adds
@@ -92,11 +99,16 @@ __all__ = [
 QUALITY_METHODS: tuple[str, ...] = (
     "single",
     "batchensemble",
+    "batchensemble_shift",
     "rank1",
     "finetuned",
     "deep_ensemble",
     "mc_dropout",
 )
+
+#: The methods that convert the model with :func:`ensembles.to_batch_ensemble`
+#: and train by its recipe (the fast weights' learning rate, no decay).
+_CONVERTED: tuple[str, ...] = ("batchensemble", "batchensemble_shift", "rank1")
 
 #: AdamW's learning rate (constant) and weight decay, for every method.
 LEARNING_RATE: float = 3e-3
@@ -236,7 +248,8 @@ def train_method(
       fast_lr_multiplier: the fast weights' learning rate over the shared
         weights'.
       tiled: every member sees the same B examples per step; ``False`` gives
-        each its own B (:func:`ensembles.training.member_batches`).
+        each its own B (:func:`ensembles.training.member_batches`), as
+        ``batchensemble_shift`` always does.
       prior_stddev: ``rank1``'s prior scale (``None``: the library's).
       stddev_init: ``rank1``'s initializer of the unconstrained posterior
         scales (``None``: the library's).
@@ -256,7 +269,7 @@ def train_method(
       independent_head: ``batchensemble``/``rank1``: the model's last
         ``nnx.Linear`` (its output layer) becomes fully independent, a kernel
         of its own per member drawn afresh (``to_batch_ensemble``'s
-        ``independent``; TabM's heads).
+        ``independent``; TabM's heads); ``batchensemble_shift``'s always is.
       diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
         Buschjaeger et al., 2020): ``diversity`` times the mean squared
         distance of each member's softmax from the members' mean is
@@ -304,17 +317,18 @@ def train_method(
     eval_draws = check_positive_int(eval_draws, "eval_draws")
     if method == "deep_ensemble":
         net, loss_fn, predict_fn = _deep_ensemble(context, loss_of)
-    elif method in ("batchensemble", "rank1"):
+    elif method in _CONVERTED:
+        shift = method == "batchensemble_shift"  # the recipe for shift
         net, loss_fn, predict_fn = _batch_ensemble(
             method,
             context,
             loss_of,
             fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init),
             first_layer_init=first_layer_init,
-            tiled=tiled,
+            tiled=tiled and not shift,
             kl_annealing=kl_annealing,
             eval_draws=eval_draws,
-            independent_head=independent_head,
+            independent_head=independent_head or shift,
         )
     elif method == "finetuned":
         net, loss_fn, predict_fn = _finetuned(context, loss_of, start)
@@ -323,7 +337,7 @@ def train_method(
     if method == "finetuned":  # every parameter at the full, decaying rate
         fast, decay_steps = 1.0, context.steps
     else:
-        fast = fast_lr_multiplier if method in ("batchensemble", "rank1") else None
+        fast = fast_lr_multiplier if method in _CONVERTED else None
         decay_steps = None
     tx = optimizer(
         net,

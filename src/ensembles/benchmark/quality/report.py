@@ -135,7 +135,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         summary.append(entry)
     by_key = {(e["task"], e["model"], e["members"], e["method"]): e for e in summary}
     for entry in summary:
-        if entry["method"] not in ("batchensemble", "rank1", "finetuned"):
+        if entry["method"] in ("single", "deep_ensemble", "mc_dropout"):
             continue
         where = (entry["task"], entry["model"], entry["members"])
         single = by_key.get((*where, "single"))

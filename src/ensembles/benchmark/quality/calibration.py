@@ -177,7 +177,7 @@ def calibrate_classifier(
     clean = (predict(x_valid), np.asarray(y_valid))
     x_noisy, y_noisy = noisy_validation(x_train, x_valid, y_valid)
     noisy = (predict(x_noisy), y_noisy)
-    results = {}
+    results, fitted = {}, {}
     for name, (logits, labels) in (
         ("pooled_noisy", noisy),
         ("members", clean),
@@ -195,9 +195,10 @@ def calibrate_classifier(
             def transform(z, t=t):
                 return uncertainty.scale_member_temperatures(z, t)
 
+        fitted[name] = t
         results[name] = {"temperature": float(jnp.mean(t)), **measure(transform)}
     # members_noisy's temperatures, then one pooled temperature on clean data.
-    member_t = uncertainty.fit_member_temperatures(*noisy, bounds=bounds)
+    member_t = fitted["members_noisy"]
     level = uncertainty.fit_temperature(
         uncertainty.scale_member_temperatures(clean[0], member_t),
         clean[1],
@@ -232,7 +233,7 @@ def calibrate_regressor(
     x_noisy, y_noisy = noisy_validation(x_train, x_valid, y_valid)
     clean = (predict(x_valid), np.asarray(y_valid))
     noisy = (predict(np.asarray(x_noisy)), np.asarray(y_noisy))
-    results = {}
+    results, fitted = {}, {}
     for name, (members, targets) in (
         ("pooled_noisy", noisy),
         ("members", clean),
@@ -252,9 +253,10 @@ def calibrate_regressor(
             def transform(means, stds, s=s):
                 return uncertainty.scale_member_stds(means, stds, s)
 
+        fitted[name] = s
         results[name] = {"std_scale": float(jnp.mean(s)), **measure(transform)}
     # members_noisy's scales, then one pooled scale on the clean data.
-    member_s = uncertainty.fit_member_std_scales(*noisy[0], noisy[1], bounds=bounds)
+    member_s = fitted["members_noisy"]
     rescaled = uncertainty.scale_member_stds(*clean[0], member_s)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "fit_std_scale ended at")

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import ensembles
 import ensembles.benchmark
 from ensembles import multihost
-from ensembles.ops import dense
+from ensembles.ops import groups
 
 IN, HIDDEN, OUT, STEPS = 8, 16, 4, 3
 
@@ -244,14 +244,16 @@ def main():
 
     # 6. Local work takes the one-device path; the benchmark gives one report.
     local = jnp.ones((8, IN))
-    result["local_rows_sharded"] = bool(dense.rows_may_be_sharded(local))
-    result["global_rows_sharded"] = bool(
-        dense.rows_may_be_sharded(multihost.global_batch(rows, x[mine], num_rows=16))
+    result["local_rows_sharded"] = groups.row_shards(local) > 1
+    result["global_rows_sharded"] = (
+        groups.row_shards(multihost.global_batch(rows, x[mine], num_rows=16)) > 1
     )
+    seen = []
+    jax.jit(lambda a: seen.append(groups.row_shards(a)) or a).trace(local)
     with multihost.local_mesh():
-        result["local_mesh_rows_sharded"] = bool(
-            jax.jit(dense.rows_may_be_sharded)(local)
-        )
+        jax.jit(lambda a: seen.append(groups.row_shards(a)) or a).trace(local)
+    result["jit_rows_sharded"] = seen[0] > 1
+    result["local_mesh_rows_sharded"] = seen[1] > 1
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         status = ensembles.benchmark.main(

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 import ensembles
 from ensembles import multihost
 from ensembles.layers import shard_members
-from ensembles.ops import dense
+from ensembles.ops import groups
 
 
 def one_device_mesh(names=("data",)):
@@ -92,15 +92,22 @@ def test_check_replicas_passes_where_every_copy_agrees():
 # ------------------------------------------------ the dense op's formulation
 
 
-def test_rows_may_be_sharded_follows_the_array_and_the_mesh():
+def _traced_row_shards(x):
+    """What :func:`groups.row_shards` says of ``x`` traced by ``jax.jit``."""
+    seen = []
+    jax.jit(lambda x: seen.append(groups.row_shards(x)) or x).trace(x)
+    return seen[0]
+
+
+def test_row_shards_follows_the_array_and_the_mesh():
     x = jnp.ones((4, 3))
-    assert dense.rows_may_be_sharded(x) is False  # placed on one device
-    assert dense.rows_may_be_sharded() is (jax.device_count() > 1)
+    assert groups.row_shards(x) == 1  # placed on one device
+    assert _traced_row_shards(x) == 1  # a program with no mesh: one device's
     with jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("data",))):
-        assert dense.rows_may_be_sharded() is True  # a mesh of two in context
+        assert _traced_row_shards(x) == 2  # a mesh of two in context
     with multihost.local_mesh() as mesh:
         assert mesh.size == 1
-        assert not jax.jit(dense.rows_may_be_sharded)(x)
+        assert _traced_row_shards(x) == 1
 
 
 # ----------------------------------------------------- members over an axis

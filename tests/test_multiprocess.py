@@ -230,6 +230,9 @@ def test_local_work_takes_the_one_device_path(worker):
     for result in results:
         assert result["local_rows_sharded"] is False
         assert result["global_rows_sharded"] is True
+        # A jitted program with no mesh in context is one device's, though
+        # the processes see 4 devices together.
+        assert result["jit_rows_sharded"] is False
         assert result["local_mesh_rows_sharded"] is False
 
 

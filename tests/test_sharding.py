@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 try:
     import fcntl
@@ -20,7 +21,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from flax import nnx
 import ensembles
 from ensembles.layers import sharding
 from ensembles.ops import dense
+from ensembles.ops import groups as groups_module
 
 SCRIPT = textwrap.dedent(
     """
@@ -142,7 +143,7 @@ SCRIPT = textwrap.dedent(
 
 
     def one_device_formulation():
-        return mock.patch.object(dense, "rows_may_be_sharded", lambda *inputs: False)
+        return mock.patch.object(dense, "row_shards", lambda inputs: 1)
 
 
     start = time.perf_counter()
@@ -170,6 +171,25 @@ SCRIPT = textwrap.dedent(
     # The control: the one-device formulation, sharded, all-gathers E=3's rows.
     with one_device_formulation():
         out["E3_by_member"] = train(3, 8, mesh=data)
+
+    # A program with no mesh in context, on this machine of 8 devices: one
+    # device's program (the gradient's jaxpr equals the forced one's).
+    def no_mesh_program():
+        model = ensembles.to_batch_ensemble(
+            mlp(None), num_members=3, rngs=nnx.Rngs(1))
+        graphdef, params = nnx.split(model, nnx.Param)
+        x = jnp.ones((24, IN))
+
+        def loss(params):
+            return jnp.sum(nnx.merge(graphdef, params)(x))
+
+        return str(jax.make_jaxpr(jax.grad(loss))(params))
+
+    unforced = no_mesh_program()
+    with one_device_formulation():
+        out["no_mesh_is_one_device"] = unforced == no_mesh_program()
+    with jax.set_mesh(data):
+        out["mesh_is_grouped"] = unforced != no_mesh_program()
     out["seconds"] = time.perf_counter() - start
     print("RESULT " + json.dumps(out))
     """
@@ -218,10 +238,15 @@ def sharded_runs(tmp_path_factory):
         return runs
 
 
+def _leading_rows(shape):
+    """The rows of an array ``f32[..., features]{...}``: all but its last axis."""
+    dims = [int(d) for d in shape.split("[")[1].split("]")[0].split(",") if d]
+    return math.prod(dims[:-1])
+
+
 def _activation_gathers(run):
-    """The all-gathers whose result has the batch's rows as its leading axis."""
-    rows = run["rows"]
-    return [shape for shape in run["all_gathers"] if f"[{rows}," in shape.split("{")[0]]
+    """The all-gathers of the whole batch's rows (``[E*B, F]`` or ``[G, R, F]``)."""
+    return [s for s in run["all_gathers"] if _leading_rows(s) == run["rows"]]
 
 
 SHARDED_CASES = ["E4", "E8", "E3", "E3_explicit", "E4_data_model"]
@@ -293,8 +318,11 @@ def test_model_parallel_step_never_gathers_the_batch(sharded_runs):
     # as nnx.Linear with these annotations does.
     run = sharded_runs["E4_data_model"]["sharded"]
     assert _activation_gathers(run) == []
+    # Sharded, the op views the rows as groups ([G, R, features]): count rows.
     half = run["rows"] // 2
-    assert all(shape.startswith(f"f32[{half},") for shape in run["all_gathers"])
+    assert run["all_gathers"]
+    for shape in run["all_gathers"]:
+        assert _leading_rows(shape) == half, shape
 
 
 @pytest.mark.parametrize("key", ["out_sharding", "sharding_names", "sharding"])
@@ -340,17 +368,18 @@ def test_from_linear_keeps_the_bias_annotation():
     assert layer.extract_member(1).bias.get_metadata()["out_sharding"] == ("model",)
 
 
-def _by_member(inputs, kernel, r, s, bias, **options):
-    """The one-device path (member reshapes), as the op runs it on one device."""
-    with mock.patch.object(dense, "rows_may_be_sharded", lambda *inputs: False):
-        return dense.dense_rows(inputs, kernel, r, s, bias, **options)
+def _one_device(inputs, kernel, r, s, bias, **options):
+    """One device's formulation of the op, as a program with no mesh runs it."""
+    return dense.dense_rows(inputs, kernel, r, s, bias, **options)
 
 
 @pytest.mark.parametrize("leading", [(), (3,), (2, 3)])
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_row_formulation_matches_member_formulation(leading, use_bias):
-    # On one device the op runs the member reshapes; the sharded runs use the
-    # row formulation: both must agree, values and gradients.
+@pytest.mark.parametrize("groups", [3, 6, 12])
+def test_grouped_formulation_matches_one_device(leading, use_bias, groups):
+    # Sharded, the op views the rows as G groups (a multiple of E); on one
+    # device as E members: both must agree, values and every gradient, a
+    # first layer's (inputs not differentiated) and a hidden layer's.
     num_members, batch, in_features, out_features = 3, 4, 5, 6
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (num_members * batch, *leading, in_features))
@@ -359,35 +388,64 @@ def test_row_formulation_matches_member_formulation(leading, use_bias):
     s = jax.random.normal(keys[3], (num_members, out_features))
     bias = jax.random.normal(keys[4], (num_members, out_features)) if use_bias else None
     options = {"precision": "highest", "preferred_element_type": None}
+    grouped = functools.partial(dense.dense_groups, groups=groups)
 
     def loss(formulation, x, kernel, r, s, bias):
         return jnp.sum(jnp.sin(formulation(x, kernel, r, s, bias, **options)))
 
     args = (x, kernel, r, s, bias)
-    argnums = (0, 1, 2, 3) + ((4,) if use_bias else ())
+    bias_argnums = (4,) if use_bias else ()
 
-    # One compiled program for both formulations, values and gradients (op
-    # by op, each new shape compiled every primitive of both gradients).
+    # One compiled program for both formulations, values and gradients.
     @jax.jit
     def both(*args):
         return [
             (
                 formulation(*args, **options),
-                jax.grad(functools.partial(loss, formulation), argnums)(*args),
+                jax.grad(
+                    functools.partial(loss, formulation), (0, 1, 2, 3, *bias_argnums)
+                )(*args),
+                jax.grad(
+                    functools.partial(loss, formulation), (1, 2, 3, *bias_argnums)
+                )(*args),
             )
-            for formulation in (dense.dense_by_row, _by_member)
+            for formulation in (grouped, _one_device)
         ]
 
-    (by_row, grads_row), (by_member, grads_member) = both(*args)
-    assert by_row.shape == (num_members * batch, *leading, out_features)
-    np.testing.assert_allclose(by_row, by_member, rtol=1e-5, atol=1e-5)
-    for g_row, g_member in zip(grads_row, grads_member, strict=True):
-        np.testing.assert_allclose(g_row, g_member, rtol=1e-4, atol=1e-4)
+    (y_grouped, *grads_grouped), (y_one, *grads_one) = both(*args)
+    assert y_grouped.shape == (num_members * batch, *leading, out_features)
+    np.testing.assert_allclose(y_grouped, y_one, rtol=1e-5, atol=1e-5)
+    for g_grouped, g_one in zip(
+        jax.tree.leaves(grads_grouped), jax.tree.leaves(grads_one), strict=True
+    ):
+        np.testing.assert_allclose(g_grouped, g_one, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(
-    jax.device_count() != 1, reason="needs a process that sees exactly one device"
-)
-def test_one_device_keeps_member_reshapes():
-    assert jax.device_count() == 1
-    assert dense.rows_may_be_sharded() is False
+def test_member_groups():
+    # One device: a group per member. Sharded: every device's rows whole
+    # groups, every group inside one member.
+    assert groups_module.member_groups(num_rows=24, num_members=3, shards=1) == 3
+    assert groups_module.member_groups(num_rows=24, num_members=3, shards=8) == 24
+    assert groups_module.member_groups(num_rows=48, num_members=3, shards=8) == 24
+    assert groups_module.member_groups(num_rows=32, num_members=4, shards=8) == 8
+    assert groups_module.member_groups(num_rows=64, num_members=8, shards=4) == 8
+    # A mesh larger than the rows split into: its largest divisor they do.
+    assert groups_module.member_groups(num_rows=12, num_members=3, shards=8) == 12
+    assert groups_module.member_groups(num_rows=6, num_members=3, shards=8) == 6
+    assert groups_module.member_groups(num_rows=3, num_members=3, shards=8) == 3
+
+
+@pytest.mark.slow
+def test_no_mesh_on_eight_devices_is_one_device_program(sharded_runs):
+    assert sharded_runs["no_mesh_is_one_device"] is True
+    assert sharded_runs["mesh_is_grouped"] is True  # the control
+
+
+def test_a_program_with_no_mesh_is_one_device_program():
+    # Whatever jax.device_count() says (8 in the sharded script, checked
+    # there): with no mesh in context, the op traces one device's program.
+    seen = []
+    jax.jit(lambda x: seen.append(groups_module.row_shards(x)) or x).trace(
+        jnp.ones((4, 3))
+    )
+    assert seen == [1]

@@ -44,17 +44,17 @@ def local_mesh() -> Iterator[jax.sharding.Mesh]:
 
     For purely local work in a run of several processes (or on a host of
     several devices): a benchmark, an evaluation of one member on one
-    device. The ops choose their formulation from the mesh in context
-    (:func:`ensembles.ops.dense.rows_may_be_sharded`); without one, a jitted
-    function's arguments may be spread over every device the program sees,
-    and the ops take the formulation for sharded rows.
+    device. Arrays made in the block live on that device, and the ops,
+    which read the mesh in context (:func:`ensembles.ops.groups.row_shards`),
+    trace one device's program, as they do with no mesh at all; the block
+    keeps a mesh of several set around it from reaching local work.
 
     >>> import jax, jax.numpy as jnp
     >>> from ensembles.multihost import local_mesh
-    >>> from ensembles.ops.dense import rows_may_be_sharded
+    >>> from ensembles.ops.groups import row_shards
     >>> with local_mesh() as mesh:
-    ...     print(mesh.size, jax.jit(rows_may_be_sharded)(jnp.ones(3)))
-    1 False
+    ...     print(mesh.size, row_shards(jnp.ones(3)))
+    1 1
 
     Yields:
       The mesh, of axis ``"local"``.

@@ -21,8 +21,9 @@ each member's kernel gradient ``M_k = x_k^T g_k`` in turn and reads ``dW``,
 ``jax.custom_jvp``, so forward mode, ``hessian``, ``linear_transpose`` and
 ``vmap`` keep working.
 
-Where the rows may be split over devices (:func:`rows_may_be_sharded`) the
-row axis is never reshaped (:func:`dense_by_row`, ``docs/scaling_out.md``).
+Where the program may split the rows over devices
+(:func:`ensembles.ops.groups.row_shards`), the rows are viewed as groups that
+each device holds whole (:func:`dense_groups`, ``docs/scaling_out.md``).
 ``impl="pallas"`` runs the fused kernel of :mod:`ensembles.experimental.pallas`,
 imported only when named.
 """
@@ -36,7 +37,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from jax.sharding import PartitionSpec as P
 
 from ensembles._checks import (
     add_batch_axis_fix,
@@ -48,15 +48,15 @@ from ensembles._checks import (
 )
 from ensembles.ops import platform
 from ensembles.ops.dense_batched import member_matmul
+from ensembles.ops.groups import group_weights, member_groups, row_shards
 from ensembles.ops.impls import IMPLS
 
 __all__ = [
     "MEMBER_BACKWARD_MIN_ROWS",
     "batch_ensemble_dense",
     "check_shapes",
-    "dense_by_row",
+    "dense_groups",
     "dense_rows",
-    "rows_may_be_sharded",
 ]
 
 _FLAT = (((1,), (0,)), ((), ()))  # [rows, in] @ [in, out]
@@ -199,118 +199,36 @@ _scaled_matmul.defjvp(_scaled_matmul_jvp, symbolic_zeros=True)
 # ------------------------------------------------------------ sharded rows
 
 
-def rows_may_be_sharded(inputs: Any = None) -> bool:
-    """Whether the dense ops take their sharding-friendly path (:func:`dense_by_row`).
+def dense_groups(
+    inputs, kernel, r, s, bias, *, groups: int, precision, preferred_element_type
+):
+    """The op on the ``[G, R, ..., in]`` view: rows the program may shard.
 
-    Decided from what can hold the rows, the first of:
-
-    1. ``inputs`` itself, a placed ``jax.Array``: whether it spans more
-       than one device;
-    2. the mesh of ``inputs``' type (explicit mesh axes) or the mesh set by
-       ``jax.set_mesh``: whether it has more than one device (a one-device
-       mesh around purely local work keeps the local path, also in a run of
-       several processes);
-    3. neither (a jitted function's argument with no mesh in sight): whether
-       the program sees more than one device, on every process together,
-       since only then can a batch be sharded.
-
-    On one device the ops keep the member reshapes, which are a few percent
-    faster to differentiate on CPU (the gather's transpose is a scatter-add)
-    and which the accelerators' formulation needs.
-
-    >>> import jax.numpy as jnp
-    >>> rows_may_be_sharded(jnp.ones((4, 3)))        # on one device
-    False
-
-    Args:
-      inputs: the op's ``[E*B, ...]`` rows (concrete or traced), or ``None``
-        to decide from the mesh and the device count alone.
-
-    Returns:
-      True where the rows may be split over devices.
+    The rows are viewed as ``G`` groups (:mod:`ensembles.ops.groups`), each
+    inside one member and each device's rows whole groups, and the members'
+    vectors repeated to the groups; then the accelerators' formulation, one
+    matmul batched over the groups (:func:`~ensembles.ops.dense_batched.member_matmul`),
+    on every platform. Each device runs the groups it holds: the matmuls of
+    a plain dense layer on its rows, a first layer's kernel gradients formed
+    group by group where the rows are; what crosses devices is the shared
+    kernel's gradient, as for a plain layer, and the fast weights'. Middle
+    axes (tokens) are kept, so they may be sharded too.
     """
-    if isinstance(inputs, jax.Array) and not isinstance(inputs, jax.core.Tracer):
-        return len(inputs.sharding.device_set) > 1
-    mesh = None
-    if inputs is not None:
-        mesh = getattr(getattr(jax.typeof(inputs), "sharding", None), "mesh", None)
-    if mesh is None or mesh.empty:
-        mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:
-        return mesh.size > 1
-    return jax.device_count() > 1
-
-
-def _explicit_sharding(array) -> jax.sharding.NamedSharding | None:
-    """``array``'s sharding if it is placed on an explicit mesh, else ``None``."""
-    sharding = getattr(jax.typeof(array), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not mesh.explicit_axes:
-        return None
-    return sharding
-
-
-def _row_members(inputs, num_members: int) -> jax.Array:
-    """The member index of every row of ``inputs``, sharded as its rows are."""
-    num_rows = inputs.shape[0]
-    member = lax.broadcasted_iota(jnp.int32, (num_rows,), 0) // (
-        num_rows // num_members
-    )
-    sharding = _explicit_sharding(inputs)
-    if sharding is not None and sharding.spec and sharding.spec[0] is not None:
-        member = jax.sharding.reshard(
-            member, jax.sharding.NamedSharding(sharding.mesh, P(sharding.spec[0]))
-        )
-    return member
-
-
-def _per_row(array, member, like) -> jax.Array:
-    """``[E, features]`` -> ``[E*B, 1, ..., features]``: each row's member's slice.
-
-    The result is placed as ``like``, the activation it scales, is placed
-    (rows and features). Under an automatic mesh the partitioner infers that;
-    under an explicit mesh it is spelled out, since a replicated result would
-    make every device gather, and differentiate, the whole batch's fast weights.
-    """
-    sharding = _explicit_sharding(like)
-    if sharding is None:
-        rows = jnp.take(array, member, axis=0, mode="clip", indices_are_sorted=True)
-    else:
-        spec = (*sharding.spec, *(None,) * like.ndim)[: like.ndim]
-        rows = array.at[member].get(
-            mode="clip",
-            indices_are_sorted=True,
-            out_sharding=jax.sharding.NamedSharding(
-                sharding.mesh, P(spec[0], spec[-1])
-            ),
-        )
-    return rows.reshape(member.shape[0], *(1,) * (like.ndim - 2), array.shape[1])
-
-
-def dense_by_row(inputs, kernel, r, s, bias, *, precision, preferred_element_type):
-    """The sharding-friendly path: the row axis is never reshaped.
-
-    Each row takes its member's ``r``, ``s`` and bias with a gather by a member
-    index computed from an iota, and the matmul contracts the feature axis of
-    the inputs as they are. The partitioner then keeps every activation sharded
-    however its rows (data parallelism, any E), middle axes (sequence
-    parallelism) or the kernel's output features (model parallelism) are split,
-    where the reshape to ``[E, rows, in]`` would all-gather rows that do not
-    split along member boundaries (and is rejected outright under an explicit
-    mesh). Differentiated by JAX as written: one all-reduce of ``dW``.
-    """
-    member = _row_members(inputs, r.shape[0])
-    y = lax.dot_general(
-        inputs * _per_row(r, member, inputs),
+    x = inputs.reshape(groups, -1, *inputs.shape[1:])
+    if isinstance(precision, list):  # a custom_jvp's static argument must hash
+        precision = tuple(precision)
+    y = member_matmul(
+        x,
         kernel,
-        (((inputs.ndim - 1,), (0,)), ((), ())),
-        precision=precision,
-        preferred_element_type=preferred_element_type,
+        group_weights(r, groups, x),
+        group_weights(s, groups, x),
+        precision,
+        preferred_element_type,
     )
-    y = y * _per_row(s, member, y)
     if bias is not None:
-        y = y + _per_row(bias, member, y)
-    return y
+        bias = group_weights(bias, groups, x)
+        y = y + bias.reshape(groups, *(1,) * (y.ndim - 2), -1)
+    return y.reshape(*inputs.shape[:-1], kernel.shape[1])
 
 
 # ----------------------------------------------------------------- the op
@@ -333,9 +251,12 @@ def dense_rows(
 
     What :func:`batch_ensemble_dense` runs after its checks, and what the
     layers (and the general and einsum ops) call with the options they
-    checked once: the Pallas kernel where ``impl="pallas"``, the sharded-rows
-    path where the rows may be split over devices (:func:`rows_may_be_sharded`),
-    else the formula on the ``[E, B, in]`` view with its custom derivative.
+    checked once: the Pallas kernel where ``impl="pallas"``, the grouped view
+    where the program may split the rows over devices (:func:`dense_groups`,
+    :func:`ensembles.ops.groups.row_shards`), else one device's formulation
+    for the platform the program is lowered for (the CPU's formula on the
+    ``[E, B, in]`` view with its custom derivative, or the accelerators'
+    :func:`~ensembles.ops.dense_batched.member_matmul`).
 
     Args:
       inputs: ``[E*B, ..., in_features]`` member-major batch.
@@ -372,17 +293,21 @@ def dense_rows(
             f"`{name}` configures the Pallas kernel, but impl={impl!r} was asked "
             f'for. Use impl="pallas", or drop `{name}`.'
         )
-    if rows_may_be_sharded(inputs):
-        return dense_by_row(
+    num_members, in_features = r.shape
+    shards = row_shards(inputs)
+    if shards > 1:
+        return dense_groups(
             inputs,
             kernel,
             r,
             s,
             bias,
+            groups=member_groups(
+                num_rows=inputs.shape[0], num_members=num_members, shards=shards
+            ),
             precision=precision,
             preferred_element_type=preferred_element_type,
         )
-    num_members, in_features = r.shape
     if isinstance(precision, list):  # a custom_jvp's static argument must hash
         precision = tuple(precision)
     options = (precision, preferred_element_type)

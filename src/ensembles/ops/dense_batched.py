@@ -44,16 +44,26 @@ from jax.custom_derivatives import SymbolicZero
 
 __all__ = ["member_matmul"]
 
-# [E, B, in] x [E, in, out] -> [E, B, out]: the members are the batch.
-_BATCHED = (((2,), (1,)), ((0,), (0,)))
-# [E, B, in] x [in, out] -> [E, B, out]: the shared kernel, no batch.
-_SHARED = (((2,), (0,)), ((), ()))
-
 
 def _batched(lhs, stacked, precision, pet):
+    """``[E, ..., in] x [E, in, out] -> [E, ..., out]``: the members are the batch."""
+    dimensions = (((lhs.ndim - 1,), (1,)), ((0,), (0,)))
     return lax.dot_general(
-        lhs, stacked, _BATCHED, precision=precision, preferred_element_type=pet
+        lhs, stacked, dimensions, precision=precision, preferred_element_type=pet
     )
+
+
+def _shared(lhs, kernel, precision, pet):
+    """``[E, ..., in] x [in, out] -> [E, ..., out]``: the shared kernel, no batch."""
+    dimensions = (((lhs.ndim - 1,), (0,)), ((), ()))
+    return lax.dot_general(
+        lhs, kernel, dimensions, precision=precision, preferred_element_type=pet
+    )
+
+
+def _member(vectors, like):
+    """``[E, F]`` -> ``[E, 1, ..., F]``, broadcasting against ``like``."""
+    return vectors.reshape(vectors.shape[0], *(1,) * (like.ndim - 2), -1)
 
 
 def _stack(kernel, num_members):
@@ -63,7 +73,7 @@ def _stack(kernel, num_members):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
 def member_matmul(x3, kernel, r, s, precision, preferred_element_type):
-    """``((x * r) @ kernel) * s`` on the ``[E, B, in]`` view: one batched matmul.
+    """``((x * r) @ kernel) * s`` on the ``[E, B, ..., in]`` view: one batched matmul.
 
     >>> import jax.numpy as jnp
     >>> x3 = jnp.ones((2, 3, 4))                    # E=2, B=3, in=4
@@ -72,7 +82,9 @@ def member_matmul(x3, kernel, r, s, precision, preferred_element_type):
     Array([4., 8.], dtype=float32)
 
     Args:
-      x3: ``[E, B, in]`` inputs, member ``k``'s rows in ``x3[k]``.
+      x3: ``[E, B, ..., in]`` inputs, member ``k``'s rows in ``x3[k]`` (or
+        ``[G, R, ..., in]``, with ``r`` and ``s`` per group:
+        :mod:`ensembles.ops.groups`).
       kernel: ``[in, out]``.
       r: ``[E, in]``.
       s: ``[E, out]``.
@@ -80,16 +92,16 @@ def member_matmul(x3, kernel, r, s, precision, preferred_element_type):
       preferred_element_type: of every matmul, forward and backward.
 
     Returns:
-      ``[E, B, out]``.
+      ``[E, B, ..., out]``.
     """
     num_members = x3.shape[0]
     z = _batched(
-        x3 * r[:, None, :],
+        x3 * _member(r, x3),
         _stack(kernel, num_members),
         precision,
         preferred_element_type,
     )
-    return z * s[:, None, :]
+    return z * _member(s, z)
 
 
 def _member_matmul_jvp(precision, pet, primals, tangents):
@@ -97,9 +109,10 @@ def _member_matmul_jvp(precision, pet, primals, tangents):
     dx, dkernel, dr, ds = (None if type(t) is SymbolicZero else t for t in tangents)
     num_members = x3.shape[0]
     stacked = _stack(kernel, num_members)
-    scaled = x3 * r[:, None, :]
+    scaled = x3 * _member(r, x3)
     z = _batched(scaled, stacked, precision, pet)
-    y = z * s[:, None, :]
+    s_rows = _member(s, z)
+    y = z * s_rows
     terms = []
     if dx is None and dr is not None:
         # A first layer: the stacked tangent kernels T_k; transposed, every
@@ -112,23 +125,16 @@ def _member_matmul_jvp(precision, pet, primals, tangents):
     else:
         scaled_tangent = []
         if dx is not None:
-            scaled_tangent.append(dx * r[:, None, :])
+            scaled_tangent.append(dx * _member(r, x3))
         if dr is not None:
-            scaled_tangent.append(x3 * dr[:, None, :])
+            scaled_tangent.append(x3 * _member(dr, x3))
         if scaled_tangent:
             product = _batched(sum(scaled_tangent), stacked, precision, pet)
-            terms.append(product * s[:, None, :])
+            terms.append(product * s_rows)
         if dkernel is not None:
-            product = lax.dot_general(
-                scaled,
-                dkernel,
-                _SHARED,
-                precision=precision,
-                preferred_element_type=pet,
-            )
-            terms.append(product * s[:, None, :])
+            terms.append(_shared(scaled, dkernel, precision, pet) * s_rows)
     if ds is not None:
-        terms.append(z * ds[:, None, :])
+        terms.append(z * _member(ds, z))
     if not terms:  # nothing differentiated (jax.jvp with zero tangents)
         return y, jnp.zeros_like(y)
     return y, sum(terms).astype(y.dtype)

@@ -543,3 +543,15 @@ def test_as_array_takes_what_jax_takes():
     for value in [None, "1", [1, None], [[1], [1, 2]], {"a": 1}, np.array(["a"])]:
         with pytest.raises(TypeError, match=r"`x` must be an array, got"):
             as_array(value, "x")
+
+
+def test_numpy_bfloat16_is_an_array_of_numbers():
+    """``np.asarray`` of a bf16 jax.Array: numpy's kind for it is "V" (issue 67)."""
+    bf16 = np.asarray(jnp.array([0.5, 2.0], jnp.bfloat16))
+    assert bf16.dtype.kind == "V"
+    np.testing.assert_array_equal(as_array(bf16, "x"), jnp.array([0.5, 2.0]))
+    assert as_array(bf16, "x").dtype == jnp.bfloat16
+    assert check_real(bf16[0], "x") == 0.5
+    assert check_real(np.asarray(jnp.array(3, jnp.int4)), "x") == 3.0
+    with pytest.raises(TypeError, match=r"`x` must be an array"):
+        as_array(np.zeros(2, dtype=[("a", np.float32)]), "x")  # a record: no number

@@ -107,13 +107,40 @@ def check_array(value: Any, name: str, *, what: str = "an array") -> Any:
             dtype = np.asarray(value).dtype
         except (TypeError, ValueError):
             dtype = None
-    if dtype is None or dtype.kind not in "biufc":
+    if dtype is None or not is_real_or_complex(dtype):
         shown = _shown(value) if dtype is None else f"{_shown(value)} (dtype {dtype})"
         raise TypeError(
             f"`{name}` must be {what}, got {shown}: pass a jax.Array or a numpy "
             f"array of numbers."
         )
     return value
+
+
+def is_real_or_complex(dtype: Any) -> bool:
+    """Whether ``dtype`` holds bools or numbers, JAX's extended floats included.
+
+    numpy's own test (``dtype.kind in "biufc"``) refuses ``bfloat16`` and
+    the other ml_dtypes floats, whose kind is ``"V"``: ``np.asarray`` of a
+    bf16 jax.Array is such an array.
+    """
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or jnp.issubdtype(dtype, jnp.number)
+
+
+def known_values(value: Any) -> np.ndarray | None:
+    """``value``'s values on the host, or ``None`` where they are traced.
+
+    A check of known values (a scale must be positive) runs on these, in
+    numpy: under :func:`jax.jit` a jnp operation on even a Python float is
+    traced, so a check of its result could not tell a known value from an
+    unknown one.
+    """
+    if isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        return np.asarray(value)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def as_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:
@@ -199,7 +226,7 @@ def check_real(value: Any, name: str) -> float:
     real_array = (
         dtype is not None
         and getattr(value, "shape", None) == ()
-        and (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer))
+        and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
     )
     if is_bool or not (isinstance(value, numbers.Real) or real_array):
         raise TypeError(
@@ -330,7 +357,7 @@ def check_labels(labels: Any, num_classes: int, hint: str = "") -> jax.Array:
     labels = check_array(labels, "labels")
     dtype = getattr(labels, "dtype", None)
     dtype = np.dtype(dtype if dtype is not None else np.asarray(labels).dtype)
-    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+    if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(
             f"`labels` must be integer class indices, got dtype {dtype}{hint}."
         )

@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles._checks import as_array, check_array, check_positive_int, check_real
+from ensembles._checks import (
+    check_array,
+    check_positive_int,
+    check_real,
+    known_values,
+)
 from ensembles.uncertainty._common import (
     _check_labels,
     _check_logits,
@@ -262,7 +267,9 @@ def scale_member_temperatures(logits: jax.Array, temperatures: jax.Array) -> jax
         real numbers.
     """
     logits = _check_logits(logits)
-    temperatures = as_array(temperatures, "temperatures", what="positive numbers")
+    temperatures = check_array(temperatures, "temperatures", what="positive numbers")
+    known = known_values(temperatures)
+    temperatures = jnp.asarray(temperatures)
     if tuple(temperatures.shape) != (logits.shape[0],):
         raise ValueError(
             f"`temperatures` must have shape [E] = ({logits.shape[0]},), one per "
@@ -277,17 +284,18 @@ def scale_member_temperatures(logits: jax.Array, temperatures: jax.Array) -> jax
             f"`temperatures` must be real numbers, got dtype {temperatures.dtype}."
         )
     compute = jnp.promote_types(logits.dtype, jnp.float32)
-    converted = temperatures.astype(compute)
-    try:
-        values = np.asarray(converted, np.float64)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
-    if values is not None and not ((values > 0) & np.isfinite(values)).all():
-        raise ValueError(
-            f"`temperatures` must be positive and finite in {compute.name}, got "
-            f"{values.tolist()}: fit them with `uncertainty.fit_member_temperatures`."
-        )
-    return _scale_member_temperatures(logits, converted)
+    # Checked on the host, known values under jax.jit too: a jnp cast of them
+    # would be traced there.
+    if known is not None:
+        with np.errstate(over="ignore", under="ignore"):
+            values = known.astype(np.dtype(compute)).astype(np.float64)
+        if not ((values > 0) & np.isfinite(values)).all():
+            raise ValueError(
+                f"`temperatures` must be positive and finite in {compute.name}, "
+                f"got {values.tolist()}: fit them with "
+                f"`uncertainty.fit_member_temperatures`."
+            )
+    return _scale_member_temperatures(logits, temperatures.astype(compute))
 
 
 @jax.jit
@@ -361,15 +369,16 @@ def scale_temperature(logits: jax.Array, temperature: float | jax.Array) -> jax.
             f"{dtype}."
         )
     compute = jnp.promote_types(logits.dtype, jnp.float32)
-    try:
-        value = float(temperature)
-    except jax.errors.ConcretizationTypeError:
-        value = None  # traced: a bad temperature gives NaN (see Returns)
-    largest = float(jnp.finfo(compute).max)
-    if value is not None and not 0 < value <= largest:
-        raise ValueError(
-            f"`temperature` must be positive and finite in {compute.name} (at most "
-            f"{largest:.4g}), got {value}: fit it with "
-            "`uncertainty.fit_temperature(logits, labels)` on held-out examples."
-        )
+    known = known_values(temperature)  # None: traced, NaN if bad (see Returns)
+    if known is not None:
+        with np.errstate(over="ignore", under="ignore"):
+            held = float(known.astype(np.dtype(compute)))
+        if not 0 < held < math.inf:
+            largest = float(jnp.finfo(compute).max)
+            raise ValueError(
+                f"`temperature` must be positive and finite in {compute.name} "
+                f"(at most {largest:.4g}), got {float(known.astype(np.float64))}: "
+                "fit it with `uncertainty.fit_temperature(logits, labels)` on "
+                "held-out examples."
+            )
     return _scale_temperature(logits, jnp.asarray(temperature).astype(compute))

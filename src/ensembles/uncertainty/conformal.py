@@ -24,8 +24,7 @@ __all__ = ["conformal_interval", "fit_conformal_quantile"]
 @functools.partial(jax.jit, static_argnames="level")
 def _fit_conformal_quantile(means, stds, targets, level):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    sd = jnp.sqrt(aleatoric + epistemic)
+    mean, sd = reg.mixture_std(means, stds)  # 1e-25 spreads: not squared to 0
     error = jnp.abs(targets - mean)
     score = jnp.where(
         sd > 0, error / jnp.where(sd > 0, sd, 1.0), jnp.where(error > 0, jnp.inf, 0.0)
@@ -87,12 +86,10 @@ def fit_conformal_quantile(
 @jax.jit
 def _conformal_interval(means, stds, quantile):
     means, stds, _, invalid = reg.split_invalid(means, stds)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
+    mean, sd = reg.mixture_std(means, stds)
     # An infinite quantile (too few held-out examples for the level) gives
     # unbounded intervals, members that agree (sd 0) too: not inf * 0.
-    half = jnp.where(
-        jnp.isposinf(quantile), jnp.inf, quantile * jnp.sqrt(aleatoric + epistemic)
-    )
+    half = jnp.where(jnp.isposinf(quantile), jnp.inf, quantile * sd)
     invalid = invalid | jnp.isnan(quantile) | (quantile < 0)
     return reg.poison(mean - half, invalid), reg.poison(mean + half, invalid)
 

@@ -13,6 +13,7 @@ what it buys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles._checks import as_array, check_real
+from ensembles._checks import as_array, check_array, check_real, known_values
 
 __all__ = ["noisy_copies"]
 
@@ -30,9 +31,9 @@ def noisy_copies(
     targets: Any,
     *,
     feature_std: Any,
-    strengths: Sequence[float] = (0.05, 0.1, 0.2),
+    strengths: Sequence[float] | float = (0.05, 0.1, 0.2),
     key: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | np.ndarray]:
     """The examples and copies of them with Gaussian noise, and their targets.
 
     Copy ``i`` adds noise of standard deviation ``strengths[i] *
@@ -60,13 +61,16 @@ def noisy_copies(
       feature_std: the training inputs' standard deviation, a scalar or an
         array broadcasting against one example (``x_train.std(axis=0)``).
       strengths: the noise of each copy, in units of ``feature_std``; every
-        one positive and finite.
+        one positive and finite (one number: one copy).
       key: a JAX random key.
 
     Returns:
       ``(inputs, targets)`` with ``(len(strengths) + 1) * N`` rows: the
       originals first, then each copy, in float32 (or the inputs' float
-      dtype); targets unchanged in dtype.
+      dtype). The targets are repeated as they came, never converted: a
+      numpy array (or list) gives a numpy array of its own dtype (int64
+      targets beyond ``2**31`` stay whole without ``jax_enable_x64``), a
+      ``jax.Array`` a ``jax.Array``.
 
     Raises:
       ValueError: if ``targets`` has another number of rows, ``feature_std``
@@ -75,7 +79,15 @@ def noisy_copies(
       TypeError: if an argument is not an array of numbers.
     """
     inputs = as_array(inputs, "inputs")
-    targets = as_array(targets, "targets")
+    targets = check_array(targets, "targets")
+    if not isinstance(targets, jax.Array) and not hasattr(targets, "__jax_array__"):
+        # Host targets stay on the host: jnp.asarray would wrap 64-bit integers
+        # to 32 bits without jax_enable_x64 (3e9 becomes -1294967296).
+        targets = np.asarray(targets)
+        concatenate = np.concatenate
+    else:
+        targets = jnp.asarray(targets)
+        concatenate = jnp.concatenate
     if inputs.ndim < 1 or targets.ndim < 1 or inputs.shape[0] != targets.shape[0]:
         raise ValueError(
             f"`inputs` and `targets` must have the same number of rows, got "
@@ -90,18 +102,18 @@ def noisy_copies(
             f"one example of shape {tuple(inputs.shape[1:])}: pass "
             f"`x_train.std(axis=0)` or a scalar."
         ) from None
-    known = np.asarray(scale, np.float64)
-    if not (np.isfinite(known) & (known >= 0)).all():
+    known = known_values(scale)  # None under jax.jit: not checked
+    if (
+        known is not None
+        and not (
+            np.isfinite(known.astype(np.float64)) & (known.astype(np.float64) >= 0)
+        ).all()
+    ):
         raise ValueError(
             "`feature_std` must be finite and non-negative: the training inputs' "
             "standard deviation (`x_train.std(axis=0)`)."
         )
-    values = [check_real(s, "strengths") for s in strengths]
-    if not values or not all(0 < v < float("inf") for v in values):
-        raise ValueError(
-            f"`strengths` must be one or more positive, finite noise levels, got "
-            f"{list(strengths)!r}: e.g. (0.05, 0.1, 0.2)."
-        )
+    values = _check_strengths(strengths)
     dtype = jnp.promote_types(inputs.dtype, jnp.float32)
     inputs = inputs.astype(dtype)
     keys = jax.random.split(key, len(values))
@@ -111,4 +123,22 @@ def noisy_copies(
         inputs + strength * noise_scale * jax.random.normal(k, inputs.shape, dtype)
         for strength, k in zip(values, keys, strict=True)
     ]
-    return jnp.concatenate(copies), jnp.concatenate([targets] * len(copies))
+    return jnp.concatenate(copies), concatenate([targets] * len(copies))
+
+
+def _check_strengths(strengths: Any) -> list[float]:
+    """``strengths`` as a list of positive finite floats (one number: one copy)."""
+    fix = "e.g. strengths=(0.05, 0.1, 0.2), or strengths=0.1 for one copy"
+    if isinstance(strengths, str | bytes) or strengths is None:
+        raise TypeError(
+            f"`strengths` must be one or more noise levels, got {strengths!r}: {fix}."
+        )
+    if np.ndim(strengths) == 0:
+        strengths = [strengths]
+    values = [check_real(s, "strengths") for s in strengths]
+    if not values or not all(0 < v < math.inf for v in values):
+        raise ValueError(
+            f"`strengths` must be one or more positive, finite noise levels, got "
+            f"{list(strengths)!r}: {fix}."
+        )
+    return values

@@ -199,6 +199,7 @@ def _pairwise_gaussian_kl(means, stds):
     kl = -jnp.log(ratio) + 0.5 * (jnp.square(ratio) + jnp.square(gap)) - 0.5
     if kl.ndim == 4:  # the D outputs of a member are independent: KLs add
         kl = jnp.sum(kl, axis=-1)
+    kl = jnp.maximum(kl, 0.0)  # a divergence: rounding may leave it below 0
     pairs = max(num_members * (num_members - 1), 1)
     return reg.poison(jnp.sum(kl, axis=(0, 1)) / pairs, reg.example_invalid(invalid))
 

@@ -24,8 +24,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ensembles._checks import check_array, check_positive_int, check_real
+from ensembles._checks import (
+    check_array,
+    check_positive_int,
+    check_real,
+    known_values,
+)
 from ensembles.uncertainty import _regression as reg
 
 __all__ = [
@@ -40,8 +46,15 @@ _GRID = 65
 
 
 def _scaled_nll(means, stds, targets, log_scale):
-    scaled_means, scaled_stds = reg.scale_about_mean(means, stds, jnp.exp(log_scale))
-    return -jnp.mean(reg.mixture_log_density(scaled_means, scaled_stds, targets))
+    # Stretched by s about its mean c, member k is N(c + s (mu_k - c), s sigma_k),
+    # whose density at y is N((y - c) / s; mu_k - c, sigma_k) / s: the residual
+    # (y - c) / s is formed before anything is squared, so neither the NLL nor
+    # its slope squares s (1e-25 squared underflows float32).
+    center = jnp.mean(means, axis=0)
+    residual = (targets - center) * jnp.exp(-log_scale)
+    outputs = 1 if means.ndim == 2 else means.shape[-1]
+    log_density = reg.mixture_log_density(means - center[None], stds, residual)
+    return outputs * log_scale - jnp.mean(log_density)
 
 
 @functools.partial(jax.jit, static_argnames="iterations")
@@ -176,32 +189,51 @@ def _warn_at_bound(scale: jax.Array, low: float, high: float) -> None:
             )
 
 
-def _check_positive_scalar(value: Any, name: str, dtype: Any, fix: str) -> jax.Array:
-    """``value`` as a positive finite scalar of ``dtype`` (when known)."""
-    value = check_array(value, name, what="a positive number")
-    if jnp.shape(value) != ():
+def _check_positive(
+    value: Any, name: str, dtype: Any, shape: tuple[int, ...], fix: str
+) -> jax.Array:
+    """``value`` as positive finite numbers of ``shape`` in ``dtype``.
+
+    Known values (a Python float, a numpy or concrete JAX array, under
+    :func:`jax.jit` too) are checked on the host, in ``dtype``; traced ones
+    reach the jitted twins, which make the results NaN for a bad one.
+    """
+    what = "a positive number" if shape == () else "positive numbers"
+    value = check_array(value, name, what=what)
+    if isinstance(value, list | tuple):  # jnp.shape of a list is deprecated
+        value = np.asarray(value)
+    if jnp.shape(value) != shape:
+        expected = (
+            "be a scalar"
+            if shape == ()
+            else f"have shape [E] = {shape}, one per member"
+        )
         raise ValueError(
-            f"`{name}` must be a scalar, got shape {jnp.shape(value)}: {fix}."
+            f"`{name}` must {expected}, got shape {jnp.shape(value)}: {fix}."
         )
     kind = jnp.result_type(value)
     if kind == jnp.bool_ or not (
         jnp.issubdtype(kind, jnp.floating) or jnp.issubdtype(kind, jnp.integer)
     ):
-        raise TypeError(f"`{name}` must be a real number, got {value!r}.")
-    try:
-        known = float(value)
-    except jax.errors.ConcretizationTypeError:
-        known = None
-    if known is not None and not (0 < known < math.inf):
-        raise ValueError(f"`{name}` must be positive and finite, got {known}: {fix}.")
-    converted = jnp.asarray(value).astype(dtype)
-    if known is not None and not (0 < float(converted) < math.inf):
-        raise ValueError(
-            f"`{name}` (={known}) must be positive and finite in the dtype the "
-            f"members are computed in ({jnp.dtype(dtype).name}), where it is "
-            f"{float(converted)}: {fix}."
-        )
-    return converted
+        real = "a real number" if shape == () else "real numbers"
+        raise TypeError(f"`{name}` must be {real}, got {value!r} of dtype {kind}.")
+    known = known_values(value)
+    if known is not None:
+        wide = known.astype(np.float64)
+        with np.errstate(over="ignore", under="ignore"):
+            held = known.astype(np.dtype(dtype)).astype(np.float64)
+        shown = wide.tolist()
+        if not np.all((wide > 0) & (wide < math.inf)):
+            raise ValueError(
+                f"`{name}` must be positive and finite, got {shown}: {fix}."
+            )
+        if not np.all((held > 0) & (held < math.inf)):
+            raise ValueError(
+                f"`{name}` (={shown}) must be positive and finite in the dtype the "
+                f"members are computed in ({jnp.dtype(dtype).name}), where it is "
+                f"{held.tolist()}: {fix}."
+            )
+    return jnp.asarray(value).astype(dtype)
 
 
 @jax.jit
@@ -211,7 +243,7 @@ def _fit_member_std_scales(means, stds, targets, low, high):
     axes = tuple(range(1, z.ndim))
     # A member's Gaussian NLL in its scale s: mean(log s + z^2 / (2 s^2)) + c,
     # least at s^2 = mean(z^2); clipped to the bounds, as the pooled fit is.
-    scales = jnp.sqrt(jnp.mean(jnp.square(z), axis=axes))
+    scales = reg.root_mean_square(z, axis=axes)
     return reg.poison_all(jnp.clip(scales, low, high), invalid)
 
 
@@ -289,34 +321,26 @@ def scale_member_stds(
 
     Returns:
       ``(means, stds)`` in the compute dtype; NaN for invalid entries, and all
-      NaN for a scale that is not positive and finite under :func:`jax.jit`.
+      NaN for a traced scale (an argument of a jitted function) that is not
+      positive and finite.
 
     Raises:
-      ValueError: if ``scales`` is not ``[E]``, ``stds`` is ``None``, or (when
-        known) a scale is not positive and finite in the compute dtype.
-      TypeError: if an argument is not a real array.
+      ValueError: if ``scales`` is not ``[E]``, ``stds`` is ``None``, or a
+        known scale (a list, a numpy or concrete JAX array, under
+        :func:`jax.jit` too) is not positive and finite in the compute dtype.
+      TypeError: if an argument is not a real array (booleans included).
     """
     means = reg.check_means(means)
     stds = reg.check_stds(stds, means)
     reg.check_point_members(stds, "scale_member_stds")
     dtype = reg.compute_dtype(means, stds)
-    scales = check_array(scales, "scales", what="positive numbers")
-    if jnp.shape(scales) != (means.shape[0],):
-        raise ValueError(
-            f"`scales` must have shape [E] = ({means.shape[0]},), one per member, "
-            f"got shape {jnp.shape(scales)}: fit them with "
-            f"`uncertainty.fit_member_std_scales`."
-        )
-    converted = jnp.asarray(scales).astype(dtype)
-    try:
-        values = [float(v) for v in converted]
-    except (jax.errors.ConcretizationTypeError, TypeError):
-        values = None
-    if values is not None and not all(0 < v < math.inf for v in values):
-        raise ValueError(
-            f"`scales` must be positive and finite in {jnp.dtype(dtype).name}, got "
-            f"{values}: fit them with `uncertainty.fit_member_std_scales`."
-        )
+    converted = _check_positive(
+        scales,
+        "scales",
+        dtype,
+        (means.shape[0],),
+        "fit them with `uncertainty.fit_member_std_scales`",
+    )
     return _scale_member_stds(means, stds, converted)
 
 
@@ -362,21 +386,23 @@ def scale_std(
     Returns:
       ``(means, stds)`` of the recalibrated members, in the compute dtype
       (``stds`` ``None`` for point members); NaN for invalid entries, and
-      all NaN for a scale that is not positive and finite under
-      :func:`jax.jit`.
+      all NaN for a traced scale (an argument of a jitted function) that is
+      not positive and finite.
 
     Raises:
-      ValueError: if the shapes do not match, or ``scale`` is not a scalar or
-        (when known) not positive and finite.
-      TypeError: if an argument is not a real array.
+      ValueError: if the shapes do not match, or ``scale`` is not a scalar or,
+        known (a Python or numpy number, a concrete array, under
+        :func:`jax.jit` too), not positive and finite in the compute dtype.
+      TypeError: if an argument is not a real array (booleans included).
     """
     means = reg.check_means(means)
     stds = reg.check_stds(stds, means)
     dtype = reg.compute_dtype(means, stds)
-    scale = _check_positive_scalar(
+    scale = _check_positive(
         scale,
         "scale",
         dtype,
+        (),
         "fit it with `uncertainty.fit_std_scale` on held-out data",
     )
     return _scale_std(means, stds, scale)

@@ -94,11 +94,13 @@ def mixture_nll(means: jax.Array, stds: jax.Array, targets: jax.Array) -> jax.Ar
 @jax.jit
 def _moment_matched_nll(means, stds, targets):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    variance = aleatoric + epistemic
-    degenerate = variance <= 0
-    safe = jnp.where(degenerate, 1.0, variance)
-    nll = 0.5 * (jnp.log(2 * math.pi * safe) + jnp.square(targets - mean) / safe)
+    # From the standard deviation, never the variance: spreads of 1e-25 have
+    # a variance below float32's range.
+    mean, sd = reg.mixture_std(means, stds)
+    degenerate = sd <= 0
+    safe = jnp.where(degenerate, 1.0, sd)
+    z = (targets - mean) / safe
+    nll = 0.5 * math.log(2 * math.pi) + jnp.log(safe) + 0.5 * jnp.square(z)
     nll = jnp.where(degenerate, jnp.inf, nll)
     per_example = nll if nll.ndim == 1 else jnp.sum(nll, axis=-1)
     return reg.poison_all(jnp.mean(per_example), invalid)
@@ -185,7 +187,7 @@ def _error(means, stds, targets, squared):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
     error = targets - jnp.mean(means, axis=0)
     if squared:
-        value = jnp.sqrt(jnp.mean(jnp.square(error)))
+        value = reg.root_mean_square(error.reshape(-1), axis=0)
     else:
         value = jnp.mean(jnp.abs(error))
     return reg.poison_all(value, invalid)
@@ -421,16 +423,21 @@ def _average_ranks(values: jax.Array) -> jax.Array:
 @jax.jit
 def _spread_error_correlation(means, stds, targets):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    mean, aleatoric, epistemic = reg.mixture_moments(means, stds)
-    spread = _average_ranks((aleatoric + epistemic).reshape(-1))
+    mean, sd = reg.mixture_std(means, stds)  # ranks as the variance, unsquared
+    spread = _average_ranks(sd.reshape(-1))
     error = _average_ranks(jnp.abs(targets - mean).reshape(-1))
     spread, error = spread - jnp.mean(spread), error - jnp.mean(error)
-    denominator = jnp.sqrt(jnp.sum(jnp.square(spread)) * jnp.sum(jnp.square(error)))
+    # Each sum of squared ranks is about n^3 / 12: their product overflows
+    # float32 beyond about 4 million entries, their roots' product does not.
+    denominator = jnp.sqrt(jnp.sum(jnp.square(spread))) * jnp.sqrt(
+        jnp.sum(jnp.square(error))
+    )
     correlation = jnp.where(
         denominator > 0,
         jnp.sum(spread * error) / jnp.where(denominator > 0, denominator, 1.0),
         jnp.nan,
     )
+    correlation = jnp.clip(correlation, -1.0, 1.0)  # the roots' rounding
     return reg.poison_all(correlation, invalid)
 
 

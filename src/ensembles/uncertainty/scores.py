@@ -253,11 +253,15 @@ def _pairwise_kl(logits: jax.Array) -> jax.Array:
     probs = jnp.exp(log_probs)
     num_members = logits.shape[0]
     # KL(p_k || p_l) = sum_c p_k (log p_k - log p_l); 0 log 0 counts as 0.
-    own = jnp.where(probs > 0, probs * log_probs, 0.0)  # [E, B, C]
-    cross = jnp.where(
-        probs[:, None] > 0, probs[:, None] * log_probs[None, :], 0.0
-    )  # [E, E, B, C]: p_k log p_l
-    kl = jnp.sum(own[:, None] - cross, axis=-1)  # [E, E, B]
+    # The difference of logs is taken first: exactly 0 for identical members
+    # (a difference of the products p_k log p_k - p_k log p_l, each rounded,
+    # was not); what rounding leaves below 0 of a divergence is clipped.
+    # Both logs are 0 where p_k is 0, keeping -inf out of the gradient too.
+    possible = (probs > 0)[:, None]  # [E, 1, B, C]: p_k > 0
+    own = jnp.where(possible, log_probs[:, None], 0.0)
+    gap = own - jnp.where(possible, log_probs[None, :], 0.0)  # [E, E, B, C]
+    terms = jnp.where(possible, probs[:, None] * gap, 0.0)
+    kl = jnp.maximum(jnp.sum(terms, axis=-1), 0.0)  # [E, E, B]
     pairs = max(num_members * (num_members - 1), 1)
     return _poison(jnp.sum(kl, axis=(0, 1)) / pairs, invalid)
 

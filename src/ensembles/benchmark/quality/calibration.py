@@ -76,6 +76,21 @@ def cached(predict: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return predict_once
 
 
+def _fitted(parameter: Any) -> bool:
+    """Whether a fit gave a parameter: NaN says a prediction it saw was NaN."""
+    return bool(np.isfinite(np.asarray(parameter)).all())
+
+
+def _nan_logits(logits: jax.Array) -> jax.Array:
+    """What a calibration that could not be fitted predicts: nothing (NaN)."""
+    return jnp.full_like(logits, jnp.nan)
+
+
+def _nan_members(means: jax.Array, stds: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`_nan_logits` for a regressor's ``(means, stds)``."""
+    return jnp.full_like(means, jnp.nan), stds
+
+
 def diversity(
     predict: Callable[[Any], Any], sets: dict[str, list[Any]], regression: bool
 ) -> dict[str, dict[str, float]]:
@@ -196,20 +211,26 @@ def calibrate_classifier(
                 return uncertainty.scale_member_temperatures(z, t)
 
         fitted[name] = t
+        if not _fitted(t):  # a NaN prediction on its set: NaN figures
+            transform = _nan_logits
         results[name] = {"temperature": float(jnp.mean(t)), **measure(transform)}
     # members_noisy's temperatures, then one pooled temperature on clean data.
     member_t = fitted["members_noisy"]
-    level = uncertainty.fit_temperature(
-        uncertainty.scale_member_temperatures(clean[0], member_t),
-        clean[1],
-        bounds=bounds,
-    )
+    level = jnp.nan
+    if _fitted(member_t):
+        level = uncertainty.fit_temperature(
+            uncertainty.scale_member_temperatures(clean[0], member_t),
+            clean[1],
+            bounds=bounds,
+        )
 
     def two_stage(z):
         return uncertainty.scale_temperature(
             uncertainty.scale_member_temperatures(z, member_t), level
         )
 
+    if not _fitted(level):
+        two_stage = _nan_logits
     results["members_noisy_pooled"] = {
         "temperature": float(jnp.mean(member_t) * level),
         **measure(two_stage),
@@ -254,19 +275,25 @@ def calibrate_regressor(
                 return uncertainty.scale_member_stds(means, stds, s)
 
         fitted[name] = s
+        if not _fitted(s):  # a NaN prediction on its set: NaN figures
+            transform = _nan_members
         results[name] = {"std_scale": float(jnp.mean(s)), **measure(transform)}
     # members_noisy's scales, then one pooled scale on the clean data.
     member_s = fitted["members_noisy"]
-    rescaled = uncertainty.scale_member_stds(*clean[0], member_s)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "fit_std_scale ended at")
-        level = uncertainty.fit_std_scale(*rescaled, clean[1], bounds=bounds)
+    level = jnp.nan
+    if _fitted(member_s):
+        rescaled = uncertainty.scale_member_stds(*clean[0], member_s)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "fit_std_scale ended at")
+            level = uncertainty.fit_std_scale(*rescaled, clean[1], bounds=bounds)
 
     def two_stage(means, stds):
         return uncertainty.scale_std(
             *uncertainty.scale_member_stds(means, stds, member_s), level
         )
 
+    if not _fitted(level):
+        two_stage = _nan_members
     results["members_noisy_pooled"] = {
         "std_scale": float(jnp.mean(member_s) * level),
         **measure(two_stage),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["SEVERITIES", "QualityData"]
@@ -221,6 +222,15 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
+def _real(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds floats or integers, bfloat16 included.
+
+    numpy's own test refuses bfloat16 (its kind is "V"), the dtype of
+    ``np.asarray`` of a bf16 jax.Array.
+    """
+    return jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+
+
 def _examples(x: Any, name: str, example: tuple[int, ...] | None = None) -> np.ndarray:
     """``x`` as a numpy array of ``[N, *example]`` real examples, or raises."""
     if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -233,7 +243,7 @@ def _examples(x: Any, name: str, example: tuple[int, ...] | None = None) -> np.n
             f"`{name}` must be a non-empty [N, ...] array of examples, got shape "
             f"{x.shape}."
         )
-    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+    if not _real(x.dtype):
         raise TypeError(f"`{name}` must hold real numbers, got dtype {x.dtype}.")
     if not np.isfinite(x).all():
         index = np.unravel_index(int(np.argmax(~np.isfinite(x))), x.shape)
@@ -283,9 +293,7 @@ def _regression_targets(
     y: np.ndarray, name: str, count: int, targets: tuple[int, ...]
 ) -> None:
     """Checks real targets: ``[count, *targets]``, finite, one or no output axis."""
-    if y.dtype == np.bool_ or not (
-        np.issubdtype(y.dtype, np.floating) or np.issubdtype(y.dtype, np.integer)
-    ):
+    if y.dtype == np.bool_ or not _real(y.dtype):
         raise TypeError(f"`{name}` must hold real targets, got dtype {y.dtype}.")
     if len(targets) > 1 or y.shape != (count, *targets):
         raise ValueError(

@@ -139,8 +139,12 @@ def _metrics(members: tuple, targets: np.ndarray, quantile: float | None) -> dic
     }
     if quantile is not None:  # split-conformal intervals of the as-trained members
         lower, upper = uncertainty.conformal_interval(*members, quantile)
-        inside = (targets >= np.asarray(lower)) & (targets <= np.asarray(upper))
-        values["coverage90_conformal"] = float(np.mean(inside))
+        lower, upper = np.asarray(lower), np.asarray(upper)
+        inside = (targets >= lower) & (targets <= upper)
+        # A NaN bound (a NaN prediction) covers nothing and misses nothing:
+        # the share is NaN, as every other aggregate of such a set is.
+        unknown = np.isnan(lower).any() or np.isnan(upper).any()
+        values["coverage90_conformal"] = math.nan if unknown else float(np.mean(inside))
     return values
 
 

@@ -7,11 +7,14 @@ program: the kernels the chip launches (the entry computation's fusions,
 custom calls and other compute instructions, and those of every ``while``
 body times its trip count), which of them are matmuls or convolutions, the
 loops, the matmul and convolution flops (from the shapes of every ``dot`` and
-``convolution``), and the bytes each kernel moves through the chip's main
-memory (HBM): its operands plus its outputs, the way XLA's own GPU cost model
-counts them, leaving out buffers a TPU keeps on chip (memory spaces ``S(1)``
-and up). It is a structural measure, deterministic for a given compiler: it
-says nothing of caches, autotuning or launch latency (``docs/cost.md``).
+``convolution``, and of cuDNN's convolution calls in the roles their kind
+gives the operands), the collectives and the bytes they carry, and the bytes
+each kernel moves through the chip's main memory (HBM): its operands plus its
+outputs, the way XLA's own GPU cost model counts them, but only the elements
+a fusion reads of an operand it reads through slices or gathers, and leaving
+out buffers a TPU keeps on chip (memory spaces ``S(1)`` and up). It is a
+structural measure, deterministic for a given compiler: it says nothing of
+caches, autotuning or launch latency (``docs/cost.md``).
 
 >>> text = '''HloModule m
 ... ENTRY %main (x: f32[8,4], w: f32[4,2]) -> f32[8,2] {
@@ -34,6 +37,7 @@ from collections.abc import Iterator
 from ensembles.benchmark.cost.compiled.hlo_text import (
     Array,
     Instruction,
+    caller_of,
     computations,
     source_of,
     source_table,
@@ -42,13 +46,11 @@ from ensembles.benchmark.cost.compiled.hlo_text import (
 __all__ = ["Kernel", "Program", "parse_program"]
 
 # Instructions that launch nothing: views, tuples, control, parameters, and
-# the halves of asynchronous pairs that only wait.
+# the halves of asynchronous pairs that only wait (every ``...-done``).
 _FREE = {
     "parameter", "constant", "bitcast", "get-tuple-element", "tuple",
     "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id",
-    "copy-done", "slice-done", "all-reduce-done", "all-gather-done",
-    "collective-permute-done", "async-done", "async-update", "send-done",
-    "recv-done", "domain",
+    "async-update", "domain",
 }  # fmt: skip
 # Asynchronous copies between memory spaces (a TPU's main memory and its
 # on-chip memory): data moved by a DMA engine, not a kernel. Their result is
@@ -56,6 +58,21 @@ _FREE = {
 _DMA = {"copy-start": 0, "slice-start": 1}
 _LOOP = {"while"}
 _CALLS = {"call", "conditional"}
+# Collectives, synchronous or as the ``-start`` of an asynchronous pair.
+_COLLECTIVES = {
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+    "ragged-all-to-all", "collective-permute", "collective-broadcast",
+}  # fmt: skip
+# Reads of part of their first operand: the elements of their result.
+_PARTIAL_READS = {"slice", "dynamic-slice", "gather"}
+# Ops that read their operands whole, whichever of their elements are needed
+# (where an operand's size is the result's, any other op reads of it what is
+# needed of the result).
+_WHOLE_READS = {
+    "dot", "convolution", "sort", "scatter", "fft", "custom-call",
+    "reduce-window", "select-and-scatter", "cholesky", "triangular-solve",
+    "fusion", "call", "while", "conditional", "rng", "rng-bit-generator",
+}  # fmt: skip
 # Custom-call targets that are matmuls or convolutions (cuBLAS, cuDNN).
 _GEMM_TARGETS = ("gemm", "matmul", "cublas")
 _CONV_TARGETS = ("conv",)
@@ -69,14 +86,22 @@ class Kernel:
     Attributes:
       name: the instruction's name in the program.
       category: ``"gemm"``, ``"conv"``, ``"pallas"`` (a custom kernel),
-        ``"dma"`` (an asynchronous copy between memory spaces, no kernel) or
-        ``"other"`` (elementwise work, reductions, copies, ...).
+        ``"collective"`` (an all-reduce, all-gather, reduce-scatter,
+        all-to-all or collective-permute), ``"dma"`` (an asynchronous copy
+        between memory spaces, no kernel) or ``"other"`` (elementwise work,
+        reductions, copies, ...).
       ops: the opcodes of what it computes (a fusion's body), sorted.
       flops: matmul and convolution flops of one launch.
       hbm_bytes: operands plus outputs in main memory, one launch.
       trips: how many times it runs (a loop's trip count, else 1).
       source: the innermost source line its metadata names, if known.
       op_name: the JAX operation its metadata names.
+      caller: the model's own line that led to it, the innermost frame
+        outside the library's layers and ops, JAX, Flax and optax (where
+        ``source`` is the op's line every layer shares), if known.
+      collective_bytes: what a collective carries, one launch: its result
+        (an all-gather's gathered array), a reduce-scatter's input; 0 for
+        every other kernel.
     """
 
     name: str
@@ -87,6 +112,8 @@ class Kernel:
     trips: int
     source: str | None
     op_name: str | None
+    caller: str | None = None
+    collective_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +146,16 @@ class Program:
     def hbm_bytes(self) -> int:
         """Bytes through main memory of one run (operands plus outputs)."""
         return sum(k.hbm_bytes * k.trips for k in self.kernels)
+
+    @property
+    def collectives(self) -> int:
+        """Collective launches of one run."""
+        return self.launches_of("collective")
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes the collectives of one run carry (:attr:`Kernel.collective_bytes`)."""
+        return sum(k.collective_bytes * k.trips for k in self.kernels)
 
 
 def _dot_flops(instruction: Instruction, shapes: dict[str, tuple[Array, ...]]) -> int:
@@ -171,35 +208,131 @@ def _window_taps(
 
 
 def _conv_cost(
-    instruction: Instruction, shapes: dict[str, tuple[Array, ...]]
+    labels: str | None,
+    window: str | None,
+    lhs: tuple[Array, ...],
+    rhs: tuple[Array, ...],
+    out: tuple[Array, ...],
 ) -> tuple[int, bool]:
-    """A convolution's flops, and whether it is a matmul in disguise."""
-    labels = instruction.attribute("dim_labels")
-    if not labels or len(instruction.operands) < 2 or not instruction.shape:
+    """A convolution's flops, and whether it is a matmul in disguise.
+
+    ``lhs``, ``rhs`` and ``out`` are the shapes of the convolution
+    ``dim_labels`` and ``window`` describe: its input, its kernel, its output.
+    """
+    if not labels or not lhs or not rhs or not out:
         return 0, True
     lhs_labels, rest = labels.split("_", 1)
     rhs_labels, out_labels = rest.split("->")
-    lhs = shapes.get(instruction.operands[0], ())
-    rhs = shapes.get(instruction.operands[1], ())
-    out = instruction.shape[0].dims
-    if not lhs or not rhs or len(rhs[0].dims) != len(rhs_labels):
+    if len(rhs[0].dims) != len(rhs_labels) or len(out[0].dims) != len(out_labels):
         return 0, True
     spatial = [c for c in out_labels if c.isdigit()]
-    out_spatial = [out[out_labels.index(c)] for c in spatial]
+    out_spatial = [out[0].dims[out_labels.index(c)] for c in spatial]
     in_spatial = [lhs[0].dims[lhs_labels.index(c)] for c in spatial]
-    lhs_dilate = re.search(
-        r"lhs_dilate=([\dx]+)", instruction.attribute("window") or ""
-    )
+    lhs_dilate = re.search(r"lhs_dilate=([\dx]+)", window or "")
     dilation = (
         [int(v) for v in lhs_dilate.group(1).split("x")]
         if lhs_dilate
         else [1] * len(spatial)
     )
     extents = [(n - 1) * d for n, d in zip(in_spatial, dilation, strict=True)]
-    taps, matmul = _window_taps(instruction.attribute("window"), out_spatial, extents)
+    taps, matmul = _window_taps(window, out_spatial, extents)
     per_output = rhs[0].dims[rhs_labels.index("i")]
-    others = out[out_labels.index("b")] * out[out_labels.index("f")]
+    others = out[0].dims[out_labels.index("b")] * out[0].dims[out_labels.index("f")]
     return 2 * others * per_output * taps, matmul
+
+
+def _cudnn_conv_cost(
+    instruction: Instruction, shapes: dict[str, tuple[Array, ...]]
+) -> tuple[int, bool]:
+    """A cuDNN convolution call's flops, from the convolution it computes.
+
+    The call's ``dim_labels`` and ``window`` are those of the forward
+    convolution (input, kernel -> output) in every kind; what the kind
+    changes is which of the call's operands and result is which: a
+    backward-filter call takes (input, output gradient) and returns the
+    kernel's gradient, a backward-input call takes (output gradient, kernel)
+    and returns the input's. Each costs the forward convolution's flops.
+    """
+    target = (instruction.attribute("custom_call_target") or "").lower()
+    operands = [shapes.get(name, ()) for name in instruction.operands[:2]]
+    if len(operands) < 2:
+        return 0, True
+    result = instruction.shape[:1]
+    if "backwardfilter" in target:
+        lhs, rhs, out = operands[0], result, operands[1]
+    elif "backwardinput" in target:
+        lhs, rhs, out = result, operands[1], operands[0]
+    else:  # the forward, fused with a bias, activation or side input or not
+        lhs, rhs, out = operands[0], operands[1], result
+    return _conv_cost(
+        instruction.attribute("dim_labels"),
+        instruction.attribute("window"),
+        lhs,
+        rhs,
+        out,
+    )
+
+
+def _hbm(arrays) -> int:
+    return sum(a.bytes for a in arrays if a.memory_space == 0)
+
+
+def _elements(arrays) -> int:
+    return sum(math.prod(a.dims) for a in arrays) or 1
+
+
+def _demand(body: list[Instruction]) -> dict[str, float]:
+    """The share of each instruction's elements a fusion's outputs need.
+
+    Its root's (and a multi-output root's parts') elements are all needed;
+    from each user to its operands, users first: a slice, dynamic slice or
+    gather needs of its first operand the elements of its result; a
+    reduction, a view or an elementwise op (an operand of the result's
+    size) needs the share of it that is needed of its result; the buffer
+    that the root's ``dynamic-update-slice`` updates in place is not read;
+    any other operand (a dot's, a broadcast's, a gather's indices...) is
+    needed whole. Shares of several users add up.
+    """
+    if not body:
+        return {}
+    by_name = {i.name: i for i in body}
+    root = body[-1]
+    order: list[Instruction] = []  # operands before their users
+    seen: set[str] = set()
+    stack = [(root, False)]
+    while stack:
+        instruction, visited = stack.pop()
+        if visited:
+            order.append(instruction)
+        elif instruction.name not in seen:
+            seen.add(instruction.name)
+            stack.append((instruction, True))
+            operands = [by_name[o] for o in instruction.operands if o in by_name]
+            stack.extend((operand, False) for operand in operands)
+    in_place = {root.name, *(root.operands if root.opcode == "tuple" else ())}
+    need = {root.name: 1.0}
+    for instruction in reversed(order):
+        share_of_result = min(need.get(instruction.name, 0.0), 1.0)
+        if share_of_result == 0.0:
+            continue
+        size = _elements(instruction.shape)
+        inputs = len(instruction.operands) // 2  # a reduce's arrays, then inits
+        for index, operand in enumerate(instruction.operands):
+            if operand not in by_name:
+                continue
+            count = _elements(by_name[operand].shape)
+            if instruction.opcode in _PARTIAL_READS and index == 0:
+                share = share_of_result * size / count
+            elif instruction.opcode == "dynamic-update-slice" and index == 0:
+                share = 0.0 if instruction.name in in_place else share_of_result
+            elif (instruction.opcode == "reduce" and index < inputs) or (
+                instruction.opcode not in _WHOLE_READS and count == size
+            ):
+                share = share_of_result
+            else:
+                share = 1.0
+            need[operand] = need.get(operand, 0.0) + share
+    return need
 
 
 class _Reader:
@@ -217,6 +350,17 @@ class _Reader:
             yield computation, instruction
             for called in instruction.called("calls"):
                 yield from self.body_ops(called)
+
+    def collective(self, instruction: Instruction) -> str | None:
+        """The collective an instruction runs (``"all-gather"``...), if any."""
+        opcode = instruction.opcode.removesuffix("-start")
+        if opcode in _COLLECTIVES:
+            return opcode
+        if instruction.opcode == "async-start" and instruction.called("calls"):
+            body = self.computations.get(instruction.called("calls")[0], [])
+            if body and body[-1].opcode in _COLLECTIVES:
+                return body[-1].opcode
+        return None
 
     def describe(
         self, computation: str, instruction: Instruction, trips: int
@@ -237,7 +381,14 @@ class _Reader:
                 flops += _dot_flops(op, self.shapes[where])
                 category = "gemm"
             elif op.opcode == "convolution":
-                conv_flops, matmul = _conv_cost(op, self.shapes[where])
+                shapes = self.shapes[where]
+                conv_flops, matmul = _conv_cost(
+                    op.attribute("dim_labels"),
+                    op.attribute("window"),
+                    shapes.get(op.operands[0], ()) if op.operands else (),
+                    shapes.get(op.operands[1], ()) if len(op.operands) > 1 else (),
+                    op.shape,
+                )
                 flops += conv_flops
                 if category != "gemm":
                     category = "gemm" if matmul else "conv"
@@ -246,7 +397,7 @@ class _Reader:
             ops = {f"custom-call:{target}"}
             shapes = self.shapes[computation]
             if any(t in target for t in _CONV_TARGETS):
-                flops, matmul = _conv_cost(instruction, shapes)
+                flops, matmul = _cudnn_conv_cost(instruction, shapes)
                 category = "gemm" if matmul else "conv"
             elif any(t in target for t in _GEMM_TARGETS):
                 category, flops = "gemm", _dot_flops(instruction, shapes)
@@ -254,17 +405,47 @@ class _Reader:
                 category = "pallas"
         if instruction.opcode in _DMA:
             category = "dma"
+        collective = self.collective(instruction)
+        if collective is not None:
+            category = "collective"
         op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
+        metadata = instruction.attribute("metadata")
+        hbm_bytes, carried = (
+            self.collective_bytes(computation, instruction, collective)
+            if collective is not None
+            else (self.hbm_bytes(computation, instruction), 0)
+        )
         return Kernel(
             name=instruction.name,
             category=category,
             ops=tuple(sorted(ops)),
             flops=flops,
-            hbm_bytes=self.hbm_bytes(computation, instruction),
+            hbm_bytes=hbm_bytes,
             trips=trips,
-            source=source_of(instruction.attribute("metadata"), self.frames),
+            source=source_of(metadata, self.frames),
             op_name=op_name.group(1) if op_name else None,
+            caller=caller_of(metadata, self.frames),
+            collective_bytes=carried,
         )
+
+    def collective_bytes(
+        self, computation: str, instruction: Instruction, collective: str
+    ) -> tuple[int, int]:
+        """A collective's main-memory bytes and the bytes it carries.
+
+        A ``-start``'s shape is ``((operands...), (results...), context...)``
+        but an all-reduce's, which is its results; a synchronous one's is its
+        results. It reads its operands and writes its results once.
+        """
+        shapes = self.shapes[computation]
+        operands = [a for name in instruction.operands for a in shapes.get(name, ())]
+        results = list(instruction.shape)
+        if instruction.opcode.endswith("-start") and instruction.opcode != (
+            "all-reduce-start"
+        ):
+            results = results[len(operands) : 2 * len(operands)]
+        carried = operands if collective == "reduce-scatter" else results
+        return _hbm(operands) + _hbm(results), sum(a.bytes for a in carried)
 
     def hbm_bytes(self, computation: str, instruction: Instruction) -> int:
         shapes = self.shapes[computation]
@@ -277,20 +458,17 @@ class _Reader:
             moved = instruction.shape[_DMA[instruction.opcode]]
             ends = [a.memory_space for a in operands[0]] + [moved.memory_space]
             return moved.bytes if 0 in ends else 0
-        sliced = self._sliced_parameters(instruction)
+        partial = self._partial_reads(computation, instruction)
         total = 0
         for index, operand in enumerate(operands):
-            if index in sliced:
-                total += sliced[index]
-            else:
-                total += sum(a.bytes for a in operand if a.memory_space == 0)
+            total += round(_hbm(operand) * partial.get(index, 1.0))
         root = self._fusion_root(instruction)
         if root is not None and root.opcode == "dynamic-update-slice":
             # In place: the update is written, not the whole buffer (which
-            # _sliced_parameters counts as not read).
+            # _demand counts as not read).
             update = self.shapes[instruction.called("calls")[0]].get(root.operands[1])
-            return total + sum(a.bytes for a in update or () if a.memory_space == 0)
-        return total + sum(a.bytes for a in outputs if a.memory_space == 0)
+            return total + _hbm(update or ())
+        return total + _hbm(outputs)
 
     def _fusion_root(self, instruction: Instruction) -> Instruction | None:
         if instruction.opcode != "fusion" or not instruction.called("calls"):
@@ -298,31 +476,31 @@ class _Reader:
         body = self.computations.get(instruction.called("calls")[0], [])
         return body[-1] if body else None
 
-    def _sliced_parameters(self, instruction: Instruction) -> dict[int, int]:
-        """Fusion operands read only through ``dynamic-slice``: bytes read."""
+    def _partial_reads(
+        self, computation: str, instruction: Instruction
+    ) -> dict[int, float]:
+        """Operands read in part: operand index -> the share of it read.
+
+        A fusion computes the elements its outputs need, so it reads of each
+        operand only what that needs (:func:`_demand`): a ``slice``,
+        ``dynamic-slice`` or ``gather`` of an operand, after any view or
+        elementwise op, reads the elements of its result; slices of one
+        operand add up, an operand that is also used whole is read whole,
+        once. A lone slice or gather (not fused) reads its first operand the
+        same way.
+        """
+        if instruction.opcode in _PARTIAL_READS:
+            operand = self.shapes[computation].get(instruction.operands[0], ())
+            return {0: min(_elements(instruction.shape) / _elements(operand), 1.0)}
         if instruction.opcode != "fusion" or not instruction.called("calls"):
             return {}
         body = self.computations.get(instruction.called("calls")[0], [])
-        parameters = {i.name: int(i.arguments) for i in body if i.opcode == "parameter"}
-        users: dict[str, list[Instruction]] = {}
-        for i in body:
-            for operand in i.operands:
-                users.setdefault(operand, []).append(i)
-        sliced = {}
-        for name, index in parameters.items():
-            uses = users.get(name, [])
-            if uses and all(
-                u.opcode == "dynamic-slice" and u.operands[0] == name for u in uses
-            ):
-                sliced[index] = sum(
-                    a.bytes for u in uses for a in u.shape if a.memory_space == 0
-                )
-            elif uses and all(
-                u.opcode == "dynamic-update-slice" and u.operands[0] == name
-                for u in uses
-            ):
-                sliced[index] = 0  # the in-place buffer: counted with the update
-        return sliced
+        need = _demand(body)
+        return {
+            int(i.arguments): min(need.get(i.name, 0.0), 1.0)
+            for i in body
+            if i.opcode == "parameter" and need.get(i.name, 0.0) < 1.0
+        }
 
     def trip_count(self, instruction: Instruction) -> int | None:
         """A ``while`` loop's trips, or ``None`` if unknown.
@@ -365,7 +543,7 @@ class _Reader:
     def kernels(self, computation: str, trips: int, loops: list) -> list[Kernel]:
         found = []
         for instruction in self.computations.get(computation, []):
-            if instruction.opcode in _FREE:
+            if instruction.opcode in _FREE or instruction.opcode.endswith("-done"):
                 continue
             if instruction.opcode in _LOOP:
                 count = self.trip_count(instruction)

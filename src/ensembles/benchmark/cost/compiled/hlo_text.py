@@ -5,7 +5,9 @@ bytes from. It reads the text XLA prints for a compiled program
 (``compiled.as_text()``): one computation per block, ``ENTRY`` the
 program's own, each instruction as ``%name = shape opcode(operands),
 attributes``, and the module's tables of source locations
-(``stack_frame_id`` in an instruction's metadata).
+(``stack_frame_id`` in an instruction's metadata), each frame with its
+caller's, so a kernel can be named by the model's own line as well as the
+op's.
 
 >>> instruction = parse_instruction(
 ...     "  %d = f32[8,2]{1,0} dot(%x, %w), lhs_contracting_dims={1}")
@@ -23,7 +25,9 @@ import re
 
 __all__ = [
     "Array",
+    "Frame",
     "Instruction",
+    "caller_of",
     "computations",
     "parse_instruction",
     "source_of",
@@ -177,8 +181,28 @@ def computations(text: str) -> tuple[dict[str, list[Instruction]], str]:
     return computations, entry
 
 
-def source_table(text: str) -> dict[int, str]:
-    """``stack_frame_id`` -> ``file:line (function)`` from the module's tables."""
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of the module's stack-frame table.
+
+    Attributes:
+      file: the source file's path as recorded.
+      line: the line of the call.
+      function: the function the line is in.
+      parent: the frame of the function's caller (0: none).
+    """
+
+    file: str
+    line: str
+    function: str
+    parent: int
+
+    def __str__(self) -> str:
+        return f"{_short_path(self.file)}:{self.line} ({self.function})"
+
+
+def source_table(text: str) -> dict[int, Frame]:
+    """``stack_frame_id`` -> :class:`Frame`, from the module's tables."""
     sections: dict[str, dict[int, str]] = {}
     section = None
     for line in text.splitlines():
@@ -199,13 +223,27 @@ def source_table(text: str) -> dict[int, str]:
     locations = {}
     for k, v in sections.get("FileLocations", {}).items():
         fields = dict(re.findall(r"(\w+)=(\d+)", v))
-        file = files.get(int(fields.get("file_name_id", 0)), "?")
-        function = functions.get(int(fields.get("function_name_id", 0)), "?")
-        locations[k] = f"{_short_path(file)}:{fields.get('line', '?')} ({function})"
+        locations[k] = (
+            files.get(int(fields.get("file_name_id", 0)), "?"),
+            fields.get("line", "?"),
+            functions.get(int(fields.get("function_name_id", 0)), "?"),
+        )
+    stack = {
+        k: {name: int(value) for name, value in re.findall(r"(\w+)=(\d+)", v)}
+        for k, v in sections.get("StackFrames", {}).items()
+    }
+    # XLA (jax 0.10 and 0.12 at least) prints a frame's parent one above
+    # its 1-based id (0: none), so frame 1, a root, names itself. A parent
+    # precedes its children, so no frame names itself in a table printed
+    # plainly (frame 1's parent 0), which is read as printed.
+    shift = int(any(f.get("parent_frame_id") == k for k, f in stack.items()))
     frames = {}
-    for k, v in sections.get("StackFrames", {}).items():
-        fields = dict(re.findall(r"(\w+)=(\d+)", v))
-        frames[k] = locations.get(int(fields.get("file_location_id", 0)), "?")
+    for k, fields in stack.items():
+        file, line, function = locations.get(
+            fields.get("file_location_id", 0), ("?", "?", "?")
+        )
+        parent = fields.get("parent_frame_id", 0) - shift
+        frames[k] = Frame(file, line, function, parent if 0 < parent < k else 0)
     return frames
 
 
@@ -216,7 +254,19 @@ def _short_path(path: str) -> str:
     return path
 
 
-def source_of(metadata: str | None, frames: dict[int, str]) -> str | None:
+# Where the library's own code and the frameworks' run: a caller is the
+# innermost frame outside them. The benchmark's models and steps
+# (ensembles/benchmark/) stand where a user's model would.
+_INTERNAL = ("ensembles/", "jax/", "jaxlib/", "flax/", "optax/")
+_NOT_INTERNAL = ("ensembles/benchmark/",)
+
+
+def _internal(path: str) -> bool:
+    short = _short_path(path)
+    return short.startswith(_INTERNAL) and not short.startswith(_NOT_INTERNAL)
+
+
+def source_of(metadata: str | None, frames: dict[int, Frame]) -> str | None:
     """The innermost source line an instruction's metadata names, if any."""
     if not metadata:
         return None
@@ -225,6 +275,30 @@ def source_of(metadata: str | None, frames: dict[int, str]) -> str | None:
     if file and line:
         return f"{_short_path(file.group(1))}:{line.group(1)}"
     frame = re.search(r"stack_frame_id=(\d+)", metadata)
-    if frame:
-        return frames.get(int(frame.group(1)))
+    if frame and int(frame.group(1)) in frames:
+        return str(frames[int(frame.group(1))])
+    return None
+
+
+def caller_of(metadata: str | None, frames: dict[int, Frame]) -> str | None:
+    """The model's own line that led to an instruction, if known.
+
+    The innermost frame of its stack outside the library (its benchmark's
+    models aside), JAX, Flax and optax. Where the layers' kernels all share
+    one source line (``ops/dense.py``'s formula), this one tells the layers
+    apart: ``models.py:57 (Block.__call__)``, the line that called the query
+    projection. ``None`` where every frame is internal or none is known.
+    """
+    if not metadata:
+        return None
+    frame = re.search(r"stack_frame_id=(\d+)", metadata)
+    if frame is None:
+        file = re.search(r'source_file="([^"]*)"', metadata)
+        source = source_of(metadata, frames)
+        return source if file and not _internal(file.group(1)) else None
+    current = int(frame.group(1))
+    while current in frames:
+        if not _internal(frames[current].file):
+            return str(frames[current])
+        current = frames[current].parent
     return None

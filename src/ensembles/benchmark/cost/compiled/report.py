@@ -13,6 +13,7 @@ import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ensembles.benchmark.cost.compiled.hlo import Kernel
 from ensembles.benchmark.cost.compiled.programs import Comparison, compare_programs
 from ensembles.benchmark.report import render_table
 
@@ -120,11 +121,21 @@ def _cells(row: Comparison) -> list[str]:
     ]
 
 
+def _where(kernel: Kernel) -> str:
+    """A kernel's model line (its caller's file name) via its op's line."""
+    if kernel.caller is None:
+        return kernel.source or "(no source line)"
+    caller = kernel.caller.rsplit("/", 1)[-1]
+    if kernel.source in (None, kernel.caller):
+        return caller
+    return f"{caller} via {kernel.source}"
+
+
 def _sources(row: Comparison, limit: int) -> str:
-    """The extra kernels' bytes by source line, largest first."""
+    """The extra kernels' bytes by the line that made them, largest first."""
     by_source: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for kernel in row.extra_kernels():
-        entry = by_source[kernel.source or "(no source line)"]
+        entry = by_source[_where(kernel)]
         entry[0] += kernel.trips
         entry[1] += kernel.hbm_bytes * kernel.trips
     ranked = sorted(by_source.items(), key=lambda item: -item[1][1])
@@ -149,7 +160,10 @@ def format_comparisons(
     Args:
       rows: :func:`run_comparisons`' results.
       markdown: a Markdown table instead of aligned text.
-      limit: source lines shown per row (the largest extra bytes first).
+      limit: lines shown per row (the largest extra bytes first), each the
+        model's own line that called the layer (a kernel's
+        :attr:`~ensembles.benchmark.cost.compiled.hlo.Kernel.caller`) and
+        the op's line in the library (its ``source``).
 
     Returns:
       The text.
@@ -162,5 +176,8 @@ def format_comparisons(
         f"{_sources(row, limit)}"
         for row in rows
     ]
-    heading = "Kernels the BatchEnsemble adds (count x main-memory bytes, source):"
+    heading = (
+        "Kernels the BatchEnsemble adds (count x main-memory bytes, at the "
+        "model's line via the op's):"
+    )
     return "\n".join([table, "", heading, *lines])

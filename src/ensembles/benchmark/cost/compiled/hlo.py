@@ -30,12 +30,11 @@ caches, autotuning or launch latency (``docs/cost.md``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Iterator
 
+from ensembles.benchmark.cost.compiled import hlo_ops
 from ensembles.benchmark.cost.compiled.hlo_text import (
-    Array,
     Instruction,
     caller_of,
     computations,
@@ -62,16 +61,6 @@ _CALLS = {"call", "conditional"}
 _COLLECTIVES = {
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
     "ragged-all-to-all", "collective-permute", "collective-broadcast",
-}  # fmt: skip
-# Reads of part of their first operand: the elements of their result.
-_PARTIAL_READS = {"slice", "dynamic-slice", "gather"}
-# Ops that read their operands whole, whichever of their elements are needed
-# (where an operand's size is the result's, any other op reads of it what is
-# needed of the result).
-_WHOLE_READS = {
-    "dot", "convolution", "sort", "scatter", "fft", "custom-call",
-    "reduce-window", "select-and-scatter", "cholesky", "triangular-solve",
-    "fusion", "call", "while", "conditional", "rng", "rng-bit-generator",
 }  # fmt: skip
 # Custom-call targets that are matmuls or convolutions (cuBLAS, cuDNN).
 _GEMM_TARGETS = ("gemm", "matmul", "cublas")
@@ -158,181 +147,8 @@ class Program:
         return sum(k.collective_bytes * k.trips for k in self.kernels)
 
 
-def _dot_flops(instruction: Instruction, shapes: dict[str, tuple[Array, ...]]) -> int:
-    lhs = shapes.get(instruction.operands[0], ())
-    if not lhs or not instruction.shape:
-        return 0
-    contracting = instruction.attribute("lhs_contracting_dims") or "{}"
-    dims = [int(d) for d in re.findall(r"\d+", contracting)]
-    size = math.prod(lhs[0].dims[d] for d in dims)
-    return 2 * math.prod(instruction.shape[0].dims) * size
-
-
-def _window_taps(
-    window: str | None, output_dims: list[int], input_extents: list[int]
-) -> tuple[int, bool]:
-    """Input taps a convolution's window reads over all output positions.
-
-    Counts, per spatial dimension, the (output position, window tap) pairs
-    that land on a real input element (not padding, not a hole of
-    ``lhs_dilate``), and multiplies them; so a batched matmul a TPU writes as
-    a base-dilated convolution counts one tap per output. Also says whether
-    no output position reads more than one tap (a matmul, not a convolution).
-    """
-    if not window or not output_dims:
-        return 1, True
-    fields = dict(re.findall(r"(\w+)=([\w_x\-]+)", window.strip("{}")))
-    rank = len(fields.get("size", "").split("x")) if "size" in fields else 0
-
-    def field(name, default):
-        values = fields.get(name)
-        return [default] * rank if values is None else values.split("x")
-
-    sizes = [int(v) for v in field("size", 1)]
-    strides = [int(v) for v in field("stride", 1)]
-    lhs_dilate = [int(v) for v in field("lhs_dilate", 1)]
-    rhs_dilate = [int(v) for v in field("rhs_dilate", 1)]
-    pads = [tuple(int(p) for p in v.split("_")) for v in field("pad", "0_0")]
-    taps, matmul = 1, True
-    for d in range(rank):
-        out_size = output_dims[d]
-        count = 0
-        for o in range(out_size):
-            for t in range(sizes[d]):
-                p = o * strides[d] + t * rhs_dilate[d] - pads[d][0]
-                if p >= 0 and p % lhs_dilate[d] == 0 and p <= input_extents[d]:
-                    count += 1
-        taps *= count
-        matmul = matmul and count <= out_size
-    return taps, matmul
-
-
-def _conv_cost(
-    labels: str | None,
-    window: str | None,
-    lhs: tuple[Array, ...],
-    rhs: tuple[Array, ...],
-    out: tuple[Array, ...],
-) -> tuple[int, bool]:
-    """A convolution's flops, and whether it is a matmul in disguise.
-
-    ``lhs``, ``rhs`` and ``out`` are the shapes of the convolution
-    ``dim_labels`` and ``window`` describe: its input, its kernel, its output.
-    """
-    if not labels or not lhs or not rhs or not out:
-        return 0, True
-    lhs_labels, rest = labels.split("_", 1)
-    rhs_labels, out_labels = rest.split("->")
-    if len(rhs[0].dims) != len(rhs_labels) or len(out[0].dims) != len(out_labels):
-        return 0, True
-    spatial = [c for c in out_labels if c.isdigit()]
-    out_spatial = [out[0].dims[out_labels.index(c)] for c in spatial]
-    in_spatial = [lhs[0].dims[lhs_labels.index(c)] for c in spatial]
-    lhs_dilate = re.search(r"lhs_dilate=([\dx]+)", window or "")
-    dilation = (
-        [int(v) for v in lhs_dilate.group(1).split("x")]
-        if lhs_dilate
-        else [1] * len(spatial)
-    )
-    extents = [(n - 1) * d for n, d in zip(in_spatial, dilation, strict=True)]
-    taps, matmul = _window_taps(window, out_spatial, extents)
-    per_output = rhs[0].dims[rhs_labels.index("i")]
-    others = out[0].dims[out_labels.index("b")] * out[0].dims[out_labels.index("f")]
-    return 2 * others * per_output * taps, matmul
-
-
-def _cudnn_conv_cost(
-    instruction: Instruction, shapes: dict[str, tuple[Array, ...]]
-) -> tuple[int, bool]:
-    """A cuDNN convolution call's flops, from the convolution it computes.
-
-    The call's ``dim_labels`` and ``window`` are those of the forward
-    convolution (input, kernel -> output) in every kind; what the kind
-    changes is which of the call's operands and result is which: a
-    backward-filter call takes (input, output gradient) and returns the
-    kernel's gradient, a backward-input call takes (output gradient, kernel)
-    and returns the input's. Each costs the forward convolution's flops.
-    """
-    target = (instruction.attribute("custom_call_target") or "").lower()
-    operands = [shapes.get(name, ()) for name in instruction.operands[:2]]
-    if len(operands) < 2:
-        return 0, True
-    result = instruction.shape[:1]
-    if "backwardfilter" in target:
-        lhs, rhs, out = operands[0], result, operands[1]
-    elif "backwardinput" in target:
-        lhs, rhs, out = result, operands[1], operands[0]
-    else:  # the forward, fused with a bias, activation or side input or not
-        lhs, rhs, out = operands[0], operands[1], result
-    return _conv_cost(
-        instruction.attribute("dim_labels"),
-        instruction.attribute("window"),
-        lhs,
-        rhs,
-        out,
-    )
-
-
 def _hbm(arrays) -> int:
     return sum(a.bytes for a in arrays if a.memory_space == 0)
-
-
-def _elements(arrays) -> int:
-    return sum(math.prod(a.dims) for a in arrays) or 1
-
-
-def _demand(body: list[Instruction]) -> dict[str, float]:
-    """The share of each instruction's elements a fusion's outputs need.
-
-    Its root's (and a multi-output root's parts') elements are all needed;
-    from each user to its operands, users first: a slice, dynamic slice or
-    gather needs of its first operand the elements of its result; a
-    reduction, a view or an elementwise op (an operand of the result's
-    size) needs the share of it that is needed of its result; the buffer
-    that the root's ``dynamic-update-slice`` updates in place is not read;
-    any other operand (a dot's, a broadcast's, a gather's indices...) is
-    needed whole. Shares of several users add up.
-    """
-    if not body:
-        return {}
-    by_name = {i.name: i for i in body}
-    root = body[-1]
-    order: list[Instruction] = []  # operands before their users
-    seen: set[str] = set()
-    stack = [(root, False)]
-    while stack:
-        instruction, visited = stack.pop()
-        if visited:
-            order.append(instruction)
-        elif instruction.name not in seen:
-            seen.add(instruction.name)
-            stack.append((instruction, True))
-            operands = [by_name[o] for o in instruction.operands if o in by_name]
-            stack.extend((operand, False) for operand in operands)
-    in_place = {root.name, *(root.operands if root.opcode == "tuple" else ())}
-    need = {root.name: 1.0}
-    for instruction in reversed(order):
-        share_of_result = min(need.get(instruction.name, 0.0), 1.0)
-        if share_of_result == 0.0:
-            continue
-        size = _elements(instruction.shape)
-        inputs = len(instruction.operands) // 2  # a reduce's arrays, then inits
-        for index, operand in enumerate(instruction.operands):
-            if operand not in by_name:
-                continue
-            count = _elements(by_name[operand].shape)
-            if instruction.opcode in _PARTIAL_READS and index == 0:
-                share = share_of_result * size / count
-            elif instruction.opcode == "dynamic-update-slice" and index == 0:
-                share = 0.0 if instruction.name in in_place else share_of_result
-            elif (instruction.opcode == "reduce" and index < inputs) or (
-                instruction.opcode not in _WHOLE_READS and count == size
-            ):
-                share = share_of_result
-            else:
-                share = 1.0
-            need[operand] = need.get(operand, 0.0) + share
-    return need
 
 
 class _Reader:
@@ -378,11 +194,11 @@ class _Reader:
                 continue
             ops.add(op.opcode)
             if op.opcode == "dot":
-                flops += _dot_flops(op, self.shapes[where])
+                flops += hlo_ops.dot_flops(op, self.shapes[where])
                 category = "gemm"
             elif op.opcode == "convolution":
                 shapes = self.shapes[where]
-                conv_flops, matmul = _conv_cost(
+                conv_flops, matmul = hlo_ops.conv_cost(
                     op.attribute("dim_labels"),
                     op.attribute("window"),
                     shapes.get(op.operands[0], ()) if op.operands else (),
@@ -397,10 +213,10 @@ class _Reader:
             ops = {f"custom-call:{target}"}
             shapes = self.shapes[computation]
             if any(t in target for t in _CONV_TARGETS):
-                flops, matmul = _cudnn_conv_cost(instruction, shapes)
+                flops, matmul = hlo_ops.cudnn_conv_cost(instruction, shapes)
                 category = "gemm" if matmul else "conv"
             elif any(t in target for t in _GEMM_TARGETS):
-                category, flops = "gemm", _dot_flops(instruction, shapes)
+                category, flops = "gemm", hlo_ops.dot_flops(instruction, shapes)
             elif any(t in target for t in _PALLAS_TARGETS):
                 category = "pallas"
         if instruction.opcode in _DMA:
@@ -465,7 +281,7 @@ class _Reader:
         root = self._fusion_root(instruction)
         if root is not None and root.opcode == "dynamic-update-slice":
             # In place: the update is written, not the whole buffer (which
-            # _demand counts as not read).
+            # fusion_demand counts as not read).
             update = self.shapes[instruction.called("calls")[0]].get(root.operands[1])
             return total + _hbm(update or ())
         return total + _hbm(outputs)
@@ -482,20 +298,21 @@ class _Reader:
         """Operands read in part: operand index -> the share of it read.
 
         A fusion computes the elements its outputs need, so it reads of each
-        operand only what that needs (:func:`_demand`): a ``slice``,
-        ``dynamic-slice`` or ``gather`` of an operand, after any view or
-        elementwise op, reads the elements of its result; slices of one
-        operand add up, an operand that is also used whole is read whole,
-        once. A lone slice or gather (not fused) reads its first operand the
+        operand only what they need (``hlo_ops.fusion_demand``): a
+        ``slice``, ``dynamic-slice`` or ``gather`` of an operand, after any
+        view or elementwise op, reads the elements of its result; slices of
+        one operand add up, an operand that is also used whole is read
+        whole, once. A lone slice or gather (not fused) reads its first operand the
         same way.
         """
-        if instruction.opcode in _PARTIAL_READS:
+        if instruction.opcode in hlo_ops.PARTIAL_READS:
             operand = self.shapes[computation].get(instruction.operands[0], ())
-            return {0: min(_elements(instruction.shape) / _elements(operand), 1.0)}
+            share = hlo_ops.elements(instruction.shape) / hlo_ops.elements(operand)
+            return {0: min(share, 1.0)}
         if instruction.opcode != "fusion" or not instruction.called("calls"):
             return {}
         body = self.computations.get(instruction.called("calls")[0], [])
-        need = _demand(body)
+        need = hlo_ops.fusion_demand(body)
         return {
             int(i.arguments): min(need.get(i.name, 0.0), 1.0)
             for i in body

@@ -35,7 +35,7 @@ import pytest
 
 from ensembles.benchmark.cost import timing
 from ensembles.ops import platform
-from tests.formulations import use_formulation
+from tests.formulations import FORMULATIONS, use_formulation
 from tests.worker_exit import pytest_sessionfinish  # noqa: F401 (a hook)
 
 # The suite never changes its own process's allocator: ensembles-bench's main
@@ -95,7 +95,15 @@ def _rank_promotion_raise():
 
 @pytest.fixture(params=platform.FORMULATIONS)
 def formulation(request, monkeypatch):
-    """Runs a test once with each formulation of the ops (``use_formulation``)."""
+    """Runs a test once with each platform's formulation (``use_formulation``)."""
+    use_formulation(monkeypatch, request.param)
+    yield request.param
+    jax.clear_caches()
+
+
+@pytest.fixture(params=FORMULATIONS)
+def every_formulation(request, monkeypatch):
+    """Runs a test with each platform's formulation and the sharded one."""
     use_formulation(monkeypatch, request.param)
     yield request.param
     jax.clear_caches()

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ SCRIPT = textwrap.dedent(
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import ensembles
-    from ensembles.ops import dense
+    from ensembles.ops import groups
 
     IN, HIDDEN, OUT, STEPS = 16, 32, 8, 4
 
@@ -143,7 +144,7 @@ SCRIPT = textwrap.dedent(
 
 
     def one_device_formulation():
-        return mock.patch.object(dense, "row_shards", lambda inputs: 1)
+        return mock.patch.object(groups, "row_shards", lambda inputs: 1)
 
 
     start = time.perf_counter()
@@ -388,7 +389,7 @@ def test_grouped_formulation_matches_one_device(leading, use_bias, groups):
     s = jax.random.normal(keys[3], (num_members, out_features))
     bias = jax.random.normal(keys[4], (num_members, out_features)) if use_bias else None
     options = {"precision": "highest", "preferred_element_type": None}
-    grouped = functools.partial(dense.dense_groups, groups=groups)
+    grouped = functools.partial(dense.dense_groups, num_groups=groups)
 
     def loss(formulation, x, kernel, r, s, bias):
         return jnp.sum(jnp.sin(formulation(x, kernel, r, s, bias, **options)))
@@ -449,3 +450,35 @@ def test_a_program_with_no_mesh_is_one_device_program():
         jnp.ones((4, 3))
     )
     assert seen == [1]
+
+
+@pytest.mark.parametrize("op", ["dense", "conv", "conv_transpose"])
+def test_sharded_rows_are_viewed_as_groups(op, monkeypatch):
+    # The control for tests/ops/test_autodiff.py's "sharded" formulation: told
+    # that its rows are split 6 ways, an op views E = 2 members' 12 rows as 6
+    # groups of 2 (one device: 2 groups of 6).
+    from ensembles import ops
+
+    x = jnp.ones((12, 5, 3))
+    kernel = jnp.ones((3, 4)) if op == "dense" else jnp.ones((2, 3, 4))
+    r, s = jnp.ones((2, 3)), jnp.ones((2, 4))
+    call = {
+        "dense": lambda *a: ops.batch_ensemble_dense(*a, num_members=2),
+        "conv": lambda *a: ops.batch_ensemble_conv(*a, num_members=2),
+        "conv_transpose": lambda *a: ops.batch_ensemble_conv_transpose(
+            *a, num_members=2
+        ),
+    }[op]
+
+    def views(shards):
+        jax.clear_caches()  # no trace made under the other count
+        with mock.patch.object(groups_module, "row_shards", lambda inputs: shards):
+            jaxpr = jax.make_jaxpr(call)(x, kernel, r, s)
+        return {
+            tuple(e.params["new_sizes"])[:2]
+            for e in jaxpr.eqns
+            if e.primitive.name == "reshape"
+        }
+
+    assert (6, 2) in views(6)
+    assert (6, 2) not in views(1)

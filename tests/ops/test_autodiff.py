@@ -29,8 +29,9 @@ from ensembles.ops import (
 from tests.reference import conv_effective_kernel
 from tests.tolerances import assert_close_to_scale
 
-# Every test here runs each formulation of the ops (tests/formulations.py).
-pytestmark = pytest.mark.usefixtures("formulation")
+# Every test here runs each formulation of the ops (tests/formulations.py):
+# the platforms' and the sharded one.
+pytestmark = pytest.mark.usefixtures("every_formulation")
 
 E, B = 2, 3
 HIGHEST = lax.Precision.HIGHEST

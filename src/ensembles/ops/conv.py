@@ -46,7 +46,7 @@ from ensembles._checks import (
     check_positive_int,
 )
 from ensembles.members import by_member_view, by_row, per_row
-from ensembles.ops import platform
+from ensembles.ops import groups, platform
 from ensembles.ops.conv_options import (
     IntOrSequence,
     PaddingLike,
@@ -293,15 +293,27 @@ def conv_rows(
         precision,
         preferred_element_type,
     )
-    y = platform.by_platform(
-        x,
-        kernel,
-        r,
-        s,
-        bias,
-        cpu=functools.partial(_cpu_formula, options=options),
-        accelerator=functools.partial(_accelerator_formula, options=options),
-    )
+    shards = groups.row_shards(x)
+    if shards > 1:
+        # Rows the program may shard: the accelerators' formulation on every
+        # platform, over groups each device holds whole (ops/groups.py).
+        num_groups = groups.member_groups(
+            num_rows=x.shape[0], num_members=num_members, shards=shards
+        )
+        r = groups.group_weights(r, num_groups, x)
+        s = groups.group_weights(s, num_groups, x)
+        bias = None if bias is None else groups.group_weights(bias, num_groups, x)
+        y = _accelerator_formula(x, kernel, r, s, bias, options=options)
+    else:
+        y = platform.by_platform(
+            x,
+            kernel,
+            r,
+            s,
+            bias,
+            cpu=functools.partial(_cpu_formula, options=options),
+            accelerator=functools.partial(_accelerator_formula, options=options),
+        )
     return y.reshape(*batch_shape, *y.shape[1:])
 
 

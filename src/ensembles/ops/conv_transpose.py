@@ -24,7 +24,7 @@ from ensembles._checks import (
     check_num_members,
 )
 from ensembles.members import by_member_view, by_row
-from ensembles.ops import platform
+from ensembles.ops import groups, platform
 from ensembles.ops.conv_options import (
     IntOrSequence,
     PaddingLike,
@@ -69,15 +69,30 @@ def conv_transpose_rows(
     batch_shape = inputs.shape[: -rank - 1]
     options = (strides, padding, kernel_dilation, transpose_kernel, precision,
                preferred_element_type)  # fmt: skip
-    y = platform.by_platform(
-        flatten_batch(inputs, rank),
-        kernel,
-        r,
-        s,
-        bias,
-        cpu=functools.partial(_formula, options=options, apply=by_row),
-        accelerator=functools.partial(_formula, options=options, apply=by_member_view),
-    )
+    x = flatten_batch(inputs, rank)
+    shards = groups.row_shards(x)
+    if shards > 1:
+        # Rows the program may shard: the member view's formula on every
+        # platform, over groups each device holds whole (ops/groups.py).
+        num_groups = groups.member_groups(
+            num_rows=x.shape[0], num_members=num_members, shards=shards
+        )
+        r = groups.group_weights(r, num_groups, x)
+        s = groups.group_weights(s, num_groups, x)
+        bias = None if bias is None else groups.group_weights(bias, num_groups, x)
+        y = _formula(x, kernel, r, s, bias, options=options, apply=by_member_view)
+    else:
+        y = platform.by_platform(
+            x,
+            kernel,
+            r,
+            s,
+            bias,
+            cpu=functools.partial(_formula, options=options, apply=by_row),
+            accelerator=functools.partial(
+                _formula, options=options, apply=by_member_view
+            ),
+        )
     return y.reshape(*batch_shape, *y.shape[1:])
 
 

@@ -46,9 +46,8 @@ from ensembles._checks import (
     check_member_params,
     check_num_members,
 )
-from ensembles.ops import platform
+from ensembles.ops import groups, platform
 from ensembles.ops.dense_batched import member_matmul
-from ensembles.ops.groups import group_weights, member_groups, row_shards
 from ensembles.ops.impls import IMPLS
 
 __all__ = [
@@ -200,7 +199,7 @@ _scaled_matmul.defjvp(_scaled_matmul_jvp, symbolic_zeros=True)
 
 
 def dense_groups(
-    inputs, kernel, r, s, bias, *, groups: int, precision, preferred_element_type
+    inputs, kernel, r, s, bias, *, num_groups: int, precision, preferred_element_type
 ):
     """The op on the ``[G, R, ..., in]`` view: rows the program may shard.
 
@@ -214,20 +213,20 @@ def dense_groups(
     kernel's gradient, as for a plain layer, and the fast weights'. Middle
     axes (tokens) are kept, so they may be sharded too.
     """
-    x = inputs.reshape(groups, -1, *inputs.shape[1:])
+    x = inputs.reshape(num_groups, -1, *inputs.shape[1:])
     if isinstance(precision, list):  # a custom_jvp's static argument must hash
         precision = tuple(precision)
     y = member_matmul(
         x,
         kernel,
-        group_weights(r, groups, x),
-        group_weights(s, groups, x),
+        groups.group_weights(r, num_groups, x),
+        groups.group_weights(s, num_groups, x),
         precision,
         preferred_element_type,
     )
     if bias is not None:
-        bias = group_weights(bias, groups, x)
-        y = y + bias.reshape(groups, *(1,) * (y.ndim - 2), -1)
+        bias = groups.group_weights(bias, num_groups, x)
+        y = y + bias.reshape(num_groups, *(1,) * (y.ndim - 2), -1)
     return y.reshape(*inputs.shape[:-1], kernel.shape[1])
 
 
@@ -294,7 +293,7 @@ def dense_rows(
             f'for. Use impl="pallas", or drop `{name}`.'
         )
     num_members, in_features = r.shape
-    shards = row_shards(inputs)
+    shards = groups.row_shards(inputs)
     if shards > 1:
         return dense_groups(
             inputs,
@@ -302,7 +301,7 @@ def dense_rows(
             r,
             s,
             bias,
-            groups=member_groups(
+            num_groups=groups.member_groups(
                 num_rows=inputs.shape[0], num_members=num_members, shards=shards
             ),
             precision=precision,

@@ -142,7 +142,8 @@ def group_weights(weights: jax.Array, groups: int, like: jax.Array) -> jax.Array
     Args:
       weights: ``[E, ...]``.
       groups: ``G``, a multiple of ``E``.
-      like: the ``[G, ...]`` view of the activations they scale.
+      like: the activations they scale, flat (``[E*B, ...]``) or viewed
+        (``[G, R, ...]``): where their first axis lies.
 
     Returns:
       ``[G, ...]``: group ``g`` holds member ``g // (G/E)``'s values.
@@ -161,7 +162,7 @@ def group_weights(weights: jax.Array, groups: int, like: jax.Array) -> jax.Array
 
 
 def _group_sharding(like: Any, ndim: int) -> jax.sharding.NamedSharding | None:
-    """Where a ``[G, ...]`` array goes under an explicit mesh: as ``like``'s groups.
+    """Where a ``[G, ...]`` array goes under an explicit mesh: as ``like``'s rows.
 
     ``None`` elsewhere (the partitioner infers the placement). Under an
     explicit mesh each value's placement is part of its type: a product of

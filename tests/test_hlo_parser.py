@@ -235,6 +235,19 @@ def test_a_tpu_s_collectives_in_on_chip_memory():
     assert program("v5e2x2_collectives.hlo").collectives == 4
 
 
+def test_the_report_says_collectives_where_a_program_has_them():
+    def cost(program):
+        return ProgramCost("h100", program, temp_bytes=0, compile_seconds=0.0)
+
+    sharded = cost(program("h100x8_collectives.hlo"))
+    one = cost(program("h100_block_callers.hlo"))
+    row = Comparison("step", "train", "float32", 8, 8, sharded, sharded)
+    assert "collectives (MB)" in format_comparisons([row])
+    assert "5 (0.62) / 5 (0.62)" in format_comparisons([row])
+    alone = Comparison("block", "forward", "float32", 2, 8, one, one)
+    assert "collectives" not in format_comparisons([alone])
+
+
 # --- each kernel's layer --------------------------------------------------------
 
 

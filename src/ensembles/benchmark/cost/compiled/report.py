@@ -17,9 +17,10 @@ from ensembles.benchmark.cost.compiled.hlo import Kernel
 from ensembles.benchmark.cost.compiled.programs import Comparison, compare_programs
 from ensembles.benchmark.report import render_table
 
-__all__ = ["COLUMNS", "format_comparisons", "run_comparisons"]
+__all__ = ["COLLECTIVES_COLUMN", "COLUMNS", "format_comparisons", "run_comparisons"]
 
-#: The table's columns.
+#: The table's columns (and :data:`COLLECTIVES_COLUMN` where a program has
+#: collectives).
 COLUMNS: tuple[str, ...] = (
     "chip",
     "model",
@@ -35,6 +36,10 @@ COLUMNS: tuple[str, ...] = (
     "temp MiB",
     "compile s",
 )
+
+#: The column a table of several devices' programs adds: each program's
+#: collectives and the megabytes they carry (BatchEnsemble / plain).
+COLLECTIVES_COLUMN = "collectives (MB)"
 
 
 def run_comparisons(
@@ -121,6 +126,14 @@ def _cells(row: Comparison) -> list[str]:
     ]
 
 
+def _collectives(row: Comparison) -> str:
+    ensemble, plain = row.ensemble.program, row.plain.program
+    return (
+        f"{ensemble.collectives} ({ensemble.collective_bytes / 1e6:.2f}) / "
+        f"{plain.collectives} ({plain.collective_bytes / 1e6:.2f})"
+    )
+
+
 def _where(kernel: Kernel) -> str:
     """A kernel's model line (its caller's file name) via its op's line."""
     if kernel.caller is None:
@@ -154,8 +167,9 @@ def format_comparisons(
     """The comparisons as one table and, under it, the extra kernels' sources.
 
     ``flops x`` and ``bytes x`` are the BatchEnsemble's over the plain
-    model's; ``kernels``, ``matmul/conv``, ``loops``, ``temp MiB`` and
-    ``compile s`` give both, BatchEnsemble first.
+    model's; ``kernels``, ``matmul/conv``, ``loops``, ``temp MiB``,
+    ``compile s`` and, where a program has collectives, ``collectives (MB)``
+    give both, BatchEnsemble first.
 
     Args:
       rows: :func:`run_comparisons`' results.
@@ -168,9 +182,13 @@ def format_comparisons(
     Returns:
       The text.
     """
-    table = render_table(
-        COLUMNS, [_cells(row) for row in rows], markdown=markdown, left=1
-    )
+    cells = [_cells(row) for row in rows]
+    columns = COLUMNS
+    if any(r.ensemble.program.collectives + r.plain.program.collectives for r in rows):
+        columns = (*COLUMNS, COLLECTIVES_COLUMN)
+        for row, row_cells in zip(rows, cells, strict=True):
+            row_cells.append(_collectives(row))
+    table = render_table(columns, cells, markdown=markdown, left=1)
     lines = [
         f"- {row.chip} {row.model} {row.mode} {row.dtype} E={row.num_members}: "
         f"{_sources(row, limit)}"

@@ -100,7 +100,8 @@ def to_batch_ensemble(
     computes exactly what ``model`` does. ``model`` itself
     is never changed. Layers that are already BatchEnsemble layers are left
     alone, so converting a converted model again with the same ``num_members``
-    and ``posterior`` is a no-op (it returns a copy); another ``num_members``,
+    and ``posterior`` is a no-op (it returns a copy), ``independent=`` too
+    (its ``EnsembleLinear`` layers stay as they are); another ``num_members``,
     ``posterior`` or ``prior_stddev`` raises, since those layers would not get
     it.
 
@@ -162,7 +163,8 @@ def to_batch_ensemble(
       independent: an NNX filter selecting ``nnx.Linear`` layers (among
         those converted) to make fully independent: each becomes an
         :class:`~ensembles.EnsembleLinear`, a kernel and bias of its own per
-        member (TabM's independent heads), where the others share theirs.
+        member (TabM's independent heads), where the others share theirs; a
+        stack of them (``nnx.vmap`` for ``nnx.scan``) layer by layer.
         ``None``: none.
       independent_init: ``None`` copies each independent layer's kernel and
         bias to every member (an exact conversion of a trained model); an
@@ -173,6 +175,8 @@ def to_batch_ensemble(
         fast weights, per-member biases and norms and independent kernels
         of every ensemble layer of the result are annotated with it
         (:func:`ensembles.layers.shard_members`; ``docs/scaling_out.md``).
+        Under ``jax.set_mesh`` it must be an axis of that mesh; outside
+        one only the annotation is set.
 
     Returns:
       The converted model, of the same type as ``model``.
@@ -180,14 +184,17 @@ def to_batch_ensemble(
     Raises:
       ValueError: if the model holds nothing to convert and no BatchEnsemble
         layer, if ``input_layers`` selects none of the converted layers, if
-        ``independent`` selects none, or one that is not an ``nnx.Linear``, if
+        ``independent`` selects none (and the model holds no
+        ``EnsembleLinear``), or one that is not an ``nnx.Linear`` (a layer
+        converted already included), if
         its BatchEnsemble layers have another ``num_members`` or
         another ``posterior`` or ``prior_stddev`` (a converted layer keeps its
         fast weights), if
         ``norms="member"`` but ``only`` excludes every norm, or if an argument
         is invalid (or an initializer fails), or ``member_axis`` cannot
-        annotate a per-member array (another axis there, or a mesh whose
-        axis does not divide ``num_members``). Nothing (neither ``model``
+        annotate a per-member array (another axis there, or a mesh set by
+        ``jax.set_mesh`` that lacks the axis or whose axis does not divide
+        ``num_members``). Nothing (neither ``model``
         nor ``rngs``) is changed then.
       TypeError: if ``rngs`` is not an ``nnx.Rngs``, ``prior_stddev`` is
         not a number, ``share_weights`` is not a bool (``"no"`` would read as
@@ -316,11 +323,16 @@ def _convert_node(plan: _Plan, draw: nnx.Rngs, path: Any, node: Any) -> Any:
         return node
     try:
         if tuple(path) in plan.independent_paths:
-            return EnsembleLinear.from_linear(
+            # A stack (nnx.vmap for nnx.scan) converts layer by layer.
+            return map_layers(
+                lambda one_layer, rngs: EnsembleLinear.from_linear(
+                    one_layer,
+                    num_members=plan.layer_options["num_members"],
+                    rngs=rngs,
+                    kernel_init=plan.independent_init,
+                ),
                 node,
-                num_members=plan.layer_options["num_members"],
                 rngs=draw,
-                kernel_init=plan.independent_init,
             )
         if kind in CONVERTERS:
             return _convert_layer(plan, draw, tuple(path) in plan.input_paths, node)

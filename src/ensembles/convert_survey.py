@@ -26,6 +26,7 @@ from ensembles.layers.batch_norm import EnsembleBatchNorm
 from ensembles.layers.conv import BatchEnsembleConv
 from ensembles.layers.conv_transpose import BatchEnsembleConvTranspose
 from ensembles.layers.einsum import BatchEnsembleEinsum
+from ensembles.layers.ensemble_linear import EnsembleLinear
 from ensembles.layers.linear import BatchEnsembleLinear
 from ensembles.layers.linear_general import BatchEnsembleLinearGeneral
 from ensembles.layers.normalization import EnsembleLayerNorm, EnsembleRMSNorm
@@ -230,22 +231,32 @@ def independent_layer_paths(
     """The paths of the ``nnx.Linear`` layers to make fully independent.
 
     Among the layers the conversion selects, those ``independent`` selects
-    become :class:`~ensembles.EnsembleLinear` (all paths of each).
+    become :class:`~ensembles.EnsembleLinear` (all paths of each). An
+    ``EnsembleLinear`` the model already holds, selected by ``independent``,
+    is left as it is: converting a converted model again with the same
+    ``independent`` is a no-op, as any second conversion is.
 
     Raises:
       ValueError: if ``independent`` selects a layer that is not an
-        ``nnx.Linear``, or none of the layers to convert.
+        ``nnx.Linear`` (a BatchEnsemble layer included: it has fast weights
+        to lose), or none of the layers to convert and no ``EnsembleLinear``.
     """
     if independent is None:
         return frozenset()
     predicate = filterlib.to_predicate(independent)
     chosen: set[tuple[Any, ...]] = set()
-    candidates, other = [], []
+    candidates, other, already = [], [], []
     for path, node in nnx.iter_graph(model):
         every = [tuple(p) for p in survey.paths.get(id(node), [path])]
+        where = "/".join(map(str, path))
+        if isinstance(node, EnsembleModule) and any(predicate(p, node) for p in every):
+            if isinstance(node, EnsembleLinear):
+                already.append(where)
+            else:
+                other.append(f"{where} ({type(node).__name__}, converted)")
+            continue
         if type(node) not in CONVERTERS or not set(every) & survey.selected_paths:
             continue
-        where = "/".join(map(str, path))
         candidates.append(where)
         if any(predicate(p, node) for p in every):
             if type(node) is nnx.Linear:
@@ -257,9 +268,10 @@ def independent_layer_paths(
             f"`independent` (={independent!r}) selects layers that are not "
             f"nnx.Linear: {other}. Only an nnx.Linear becomes fully independent "
             f"(ensembles.EnsembleLinear); leave these to `only` (BatchEnsemble "
-            f"layers)."
+            f"layers), or convert the plain model with `independent=` (a "
+            f"converted layer keeps its fast weights)."
         )
-    if not chosen:
+    if not chosen and not already:
         raise ValueError(
             f"`independent` (={independent!r}) selects none of the layers to "
             f"convert: {candidates}. Select the output layer by its path, e.g. "

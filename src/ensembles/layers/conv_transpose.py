@@ -24,6 +24,7 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     default_kernel_init,
     member_slice,
+    variable_copy,
 )
 from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.stacking import over_layer_axes
@@ -360,7 +361,9 @@ class BatchEnsembleConvTranspose(BatchEnsembleModule):
                 preferred_element_type=self.preferred_element_type,
                 rngs=rngs,
             ),
-            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            kernel=variable_copy(
+                nnx.Param, self._effective_kernel(k), self.kernel.get_metadata()
+            ),
             bias=member_slice(self.bias, k),
             # eval_shape leaves the plain layer's mask abstract: set the real one.
             mask=self.mask,

@@ -24,6 +24,7 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     default_kernel_init,
     member_slice,
+    variable_copy,
 )
 from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
@@ -343,7 +344,9 @@ class BatchEnsembleEinsum(BatchEnsembleModule):
                 preferred_element_type=self.preferred_element_type,
                 rngs=rngs,
             ),
-            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            kernel=variable_copy(
+                nnx.Param, self._effective_kernel(k), self.kernel.get_metadata()
+            ),
             bias=member_slice(self.bias, k),
         )
 

@@ -34,6 +34,7 @@ from ensembles.layers.parameters import (
     new_param,
 )
 from ensembles.layers.sharding import member_axis_metadata, shard_output
+from ensembles.layers.stacking import over_layer_axes
 from ensembles.ops.member_dense import check_shapes, ensemble_dense_rows
 
 __all__ = ["EnsembleLinear"]
@@ -248,6 +249,7 @@ class EnsembleLinear(EnsembleModule):
             **options,
         )
 
+    @over_layer_axes
     def extract_member(self, member: int) -> nnx.Linear:
         """Returns member ``member`` as a plain ``nnx.Linear``.
 

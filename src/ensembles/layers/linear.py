@@ -25,6 +25,7 @@ from ensembles.layers.parameters import (
     default_fast_weight_init,
     default_kernel_init,
     member_slice,
+    variable_copy,
 )
 from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
@@ -320,7 +321,9 @@ class BatchEnsembleLinear(BatchEnsembleModule):
                 preferred_element_type=self.preferred_element_type,
                 rngs=rngs,
             ),
-            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            kernel=variable_copy(
+                nnx.Param, self._effective_kernel(k), self.kernel.get_metadata()
+            ),
             bias=member_slice(self.bias, k),
         )
 

@@ -29,6 +29,7 @@ from ensembles.layers.parameters import (
     flat_copy_of,
     flat_initializer,
     member_slice,
+    variable_copy,
 )
 from ensembles.layers.posterior import DEFAULT_PRIOR_STDDEV, default_stddev_init
 from ensembles.layers.sharding import shard_output
@@ -413,7 +414,9 @@ class BatchEnsembleLinearGeneral(BatchEnsembleModule):
                 preferred_element_type=self.preferred_element_type,
                 rngs=rngs,
             ),
-            kernel=nnx.Param(self._effective_kernel(k), **self.kernel.get_metadata()),
+            kernel=variable_copy(
+                nnx.Param, self._effective_kernel(k), self.kernel.get_metadata()
+            ),
             bias=member_slice(self.bias, k),
         )
 

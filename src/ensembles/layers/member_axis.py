@@ -70,14 +70,25 @@ def shard_members(model: Any, axis: str) -> Any:
       TypeError: if ``axis`` is not a string.
       ValueError: if a per-member array's annotation already puts another
         axis on its member axis, or ``axis`` on another axis (nothing is
-        annotated then), or the mesh set by ``jax.set_mesh`` has an ``axis``
-        that does not divide a layer's number of members.
+        annotated then), or the mesh set by ``jax.set_mesh`` has no axis
+        ``axis`` or one that does not divide a layer's number of members
+        (outside a mesh only the annotation is set, checked when placed).
     """
     if not isinstance(axis, str):
         raise TypeError(
             f"`member_axis` must be a mesh axis name (a str), got {axis!r}."
         )
     mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and axis not in mesh.axis_names:
+        # Caught here, not at placement: nnx.get_partition_spec would name the
+        # axis and jax.device_put fail far from the call that chose it.
+        raise ValueError(
+            f"`member_axis={axis!r}` names no axis of the mesh set by "
+            f"jax.set_mesh, whose axes are {tuple(mesh.axis_names)}: pass one of "
+            f"them (the axis the rows are sharded over, e.g. "
+            f"member_axis={mesh.axis_names[0]!r}), or set the mesh that has "
+            f"{axis!r}."
+        )
     size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(axis)
     planned = []  # check everything, then annotate: a failure changes nothing
     for path, node in nnx.iter_graph(model):

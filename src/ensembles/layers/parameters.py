@@ -29,7 +29,11 @@ from flax.typing import Dtype, Initializer
 
 from ensembles import initializers as fast_initializers
 from ensembles._checks import check_initializer
-from ensembles.layers.sharding import member_axis_metadata, without_member_axis_metadata
+from ensembles.layers.sharding import (
+    SHARDING_KEYS,
+    member_axis_metadata,
+    without_member_axis_metadata,
+)
 
 __all__ = [
     "check_norm_initializers",
@@ -223,12 +227,34 @@ def member_copies(
     return init, member_axis_metadata(variable.get_metadata())
 
 
+def variable_copy(
+    variable_type: type[nnx.Variable], value: jax.Array, metadata: Mapping[str, Any]
+) -> nnx.Variable:
+    """``variable_type(value, **metadata)``, outside a mesh too.
+
+    Flax places a Variable annotated for sharding on the mesh in context as
+    it creates it (``eager_sharding``), and refuses where there is none: a
+    member extracted outside a mesh from a model converted with
+    ``member_axis=`` (fresh or restored) failed so. There the Variable is
+    created unplaced, with its metadata as given (the structure of the
+    Variable it copies), and is placed when the user places it.
+    """
+    annotated = any(metadata.get(key) for key in SHARDING_KEYS)
+    placed = metadata.get("eager_sharding", nnx.using_eager_sharding())
+    if not (annotated and placed and jax.sharding.get_abstract_mesh().empty):
+        return variable_type(value, **metadata)
+    variable = variable_type(value, **{**metadata, "eager_sharding": False})
+    if "eager_sharding" in metadata:
+        variable.set_metadata(eager_sharding=metadata["eager_sharding"])
+    return variable
+
+
 def member_slice(variable: nnx.Variable | None, member: int) -> nnx.Variable | None:
     """Member ``member``'s slice of an ``[E, ...]`` variable, of the same type."""
     if variable is None:
         return None
     metadata = without_member_axis_metadata(variable.get_metadata())
-    return type(variable)(variable[member], **metadata)
+    return variable_copy(type(variable), variable[member], metadata)
 
 
 def flat_initializer(

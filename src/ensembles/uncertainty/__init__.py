@@ -74,7 +74,20 @@ from ensembles.uncertainty.calibration import (
     scale_member_temperatures,
     scale_temperature,
 )
+from ensembles.uncertainty.calibrators import (
+    apply_dirichlet_scaling,
+    apply_vector_scaling,
+    fit_dirichlet_scaling,
+    fit_vector_scaling,
+)
 from ensembles.uncertainty.conformal import conformal_interval, fit_conformal_quantile
+from ensembles.uncertainty.conformal_sets import (
+    conformal_sets,
+    fit_conformal_threshold,
+    set_coverage,
+    set_size,
+)
+from ensembles.uncertainty.isotonic import apply_isotonic, fit_isotonic
 from ensembles.uncertainty.metrics import (
     accuracy,
     adaptive_ece,
@@ -85,6 +98,12 @@ from ensembles.uncertainty.metrics import (
     nll,
 )
 from ensembles.uncertainty.ood import aupr, fpr_at_tpr
+from ensembles.uncertainty.ood_scores import (
+    energy_score,
+    margin_score,
+    max_logit_score,
+    max_probability_score,
+)
 from ensembles.uncertainty.perturbations import noisy_copies
 from ensembles.uncertainty.regression import (
     aleatoric_variance,
@@ -102,6 +121,10 @@ from ensembles.uncertainty.regression_calibration import (
     fit_std_scale,
     scale_member_stds,
     scale_std,
+)
+from ensembles.uncertainty.regression_conformal import (
+    conformal_mixture_interval,
+    fit_conformal_margin,
 )
 from ensembles.uncertainty.regression_scores import (
     crps,
@@ -131,27 +154,41 @@ __all__ = [
     "accuracy",
     "adaptive_ece",
     "aleatoric_variance",
+    "apply_dirichlet_scaling",
+    "apply_isotonic",
+    "apply_vector_scaling",
     "augrc",
     "aupr",
     "aurc",
     "auroc",
     "brier",
     "conformal_interval",
+    "conformal_mixture_interval",
+    "conformal_sets",
     "crps",
     "disagreement",
     "ece",
+    "energy_score",
     "epistemic_variance",
     "expected_entropy",
+    "fit_conformal_margin",
     "fit_conformal_quantile",
+    "fit_conformal_threshold",
+    "fit_dirichlet_scaling",
+    "fit_isotonic",
     "fit_member_std_scales",
     "fit_member_temperatures",
     "fit_std_scale",
     "fit_temperature",
+    "fit_vector_scaling",
     "fpr_at_tpr",
     "interval_coverage",
     "interval_score",
     "interval_width",
     "mae",
+    "margin_score",
+    "max_logit_score",
+    "max_probability_score",
     "mce",
     "mixture_cdf",
     "mixture_interval",
@@ -174,6 +211,8 @@ __all__ = [
     "scale_member_temperatures",
     "scale_std",
     "scale_temperature",
+    "set_coverage",
+    "set_size",
     "spread_error_correlation",
     "total_entropy",
     "variance",

@@ -334,3 +334,13 @@ def _tie_averaged_cumsum(
     taken = jnp.arange(1, num + 1) - start  # of the group, up to and with i
     share = taken.astype(dtype) * group_total.astype(dtype) / (end - start)
     return before.astype(dtype) + share
+
+
+def conformal_rank(count: int, level: float) -> int:
+    """The split-conformal order statistic: ``ceil((count + 1) level)``.
+
+    The product is rounded to 9 decimals first, so that a level meant
+    exactly (``0.7`` of ``count + 1 = 10`` is 7, where float64 gives
+    ``7.000000000000001``) is not one example more conservative.
+    """
+    return math.ceil(round((count + 1) * level, 9))

@@ -1100,3 +1100,16 @@ def test_an_independent_head_is_drawn_afresh_per_member():
     kernel = np.asarray(head.kernel[...])
     assert kernel.shape[0] == 3 and not np.allclose(kernel[0], kernel[1])
     assert trained.predict(x[:5]).shape == (3, 5, 10)
+
+
+@pytest.mark.parametrize(
+    "method", ["single", "deep_ensemble", "mc_dropout", "finetuned"]
+)
+def test_an_independent_head_is_refused_where_no_model_is_converted(method):
+    """It was silently ignored: a row labelled with a head it did not have
+    (issue 67). Refused before anything is built or trained."""
+    x, y = np.zeros((8, 40), np.float32), np.arange(8) % 10
+    start = object() if method == "finetuned" else None  # refused before it is read
+    with pytest.raises(ValueError, match=rf"`independent_head=True`.*{method!r}"):
+        train_method(method, "mlp", x, y, num_members=2, steps=1, start=start,
+                     independent_head=True)  # fmt: skip

@@ -208,7 +208,10 @@ def train_method(
 
     The arguments from ``fast_weight_init`` to ``eval_draws``,
     ``first_layer_init`` and ``diversity`` vary ``batchensemble``'s and
-    ``rank1``'s recipes (the benchmark keeps their defaults;
+    ``rank1``'s recipes; the methods they do not apply to ignore them, so
+    that one set of options can train every method, all but
+    ``independent_head``, which changes what the method is and is refused
+    by the others (the benchmark keeps their defaults;
     ``benchmarks/diversity_study.py``, ``benchmarks/quality_defaults.py`` and
     ``benchmarks/finetune_recipe.py`` measure them). A name of
     ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
@@ -292,9 +295,19 @@ def train_method(
 
     Raises:
       ValueError: if ``method`` is unknown, ``finetuned`` has no ``start``,
-        or ``diversity`` is asked of a regression.
+        ``independent_head`` is asked of a method that converts no model to
+        a BatchEnsemble (``single``, ``mc_dropout``, ``deep_ensemble``,
+        ``finetuned``), or ``diversity`` of a regression.
     """
     _check_method(method, start)
+    if independent_head and method not in _CONVERTED:
+        raise ValueError(
+            f"`independent_head=True` gives the members of a converted model "
+            f"an output layer each: it is for {list(_CONVERTED)} (where "
+            f"'batchensemble_shift' always has one), got method={method!r}, "
+            f"{_WITHOUT_HEADS.get(method, 'which converts no model')}. Leave it "
+            f"False for {method!r}."
+        )
     if regression and diversity:
         raise ValueError(
             f"`diversity` (={diversity}) pushes members' softmaxes apart: it is "
@@ -365,6 +378,16 @@ def train_method(
         model=net,
         best_step=best_step,
     )
+
+
+#: What ``independent_head`` would mean for the methods that take no such head.
+_WITHOUT_HEADS = {
+    "deep_ensemble": "whose members are whole independent models already",
+    "single": "one model, whose head is its own",
+    "mc_dropout": "one model, whose dropout masks are its members",
+    "finetuned": "whose recipe converts the trained single model as it is "
+    "(every layer BatchEnsemble, its head too)",
+}
 
 
 def _param_count(net: nnx.Module) -> int:

@@ -288,10 +288,10 @@ def test_extra_kernels_name_what_the_ensemble_adds():
 
 
 def test_a_missing_compiler_says_what_to_install(monkeypatch):
-    def missing(chip):
+    def missing(chip, num_devices):
         raise NotImplementedError("topology not implemented for cuda")
 
-    monkeypatch.setattr(chips, "_topology_mesh", missing)
+    monkeypatch.setattr(chips, "_topology_devices", missing)
     with pytest.raises(RuntimeError, match=r"jax-cuda12-plugin==.*JAX_PLATFORMS=cpu"):
         chips.chip_mesh("h100")
     with pytest.raises(RuntimeError, match=re.escape("jax[tpu]==")):
@@ -336,10 +336,10 @@ def test_the_command_refuses_what_does_not_apply(argv, message, capsys):
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, capsys):
-    def missing(chip):
+    def missing(chip, num_devices):
         raise NotImplementedError("no plugin")
 
-    monkeypatch.setattr(chips, "_topology_mesh", missing)
+    monkeypatch.setattr(chips, "_topology_devices", missing)
     argv = ["--compiled-for", "h100", "--model", "linear", "--width", "8",
             "--batch", "2", "--members", "2", "--mode", "forward"]  # fmt: skip
     status = cli.main(argv)

@@ -19,6 +19,7 @@ __all__ = [
     "choice_list",
     "int_list",
     "load_factory",
+    "mesh_axes",
     "name_list",
     "positive_int",
     "shape",
@@ -83,6 +84,30 @@ def shape(text: str) -> tuple[int, ...]:
             f"32,32,3; got {text!r}"
         )
     return values
+
+
+def mesh_axes(text: str) -> dict[str, int]:
+    """A device mesh: comma-separated ``axis=size`` pairs, in the mesh's order.
+
+    >>> from ensembles.benchmark.arguments import mesh_axes
+    >>> mesh_axes("data=4,model=2")
+    {'data': 4, 'model': 2}
+    """
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.strip().partition("=")
+        name = name.strip()
+        try:
+            value = int(size)
+        except ValueError:
+            value = 0
+        if not name.isidentifier() or value < 1 or name in axes:
+            raise argparse.ArgumentTypeError(
+                f"must be a mesh's axes, comma-separated distinct name=size pairs "
+                f"with sizes >= 1 such as data=8 or data=4,model=2; got {text!r}"
+            )
+        axes[name] = value
+    return axes
 
 
 def name_list(text: str) -> tuple[str, ...]:

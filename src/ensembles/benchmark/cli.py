@@ -99,8 +99,9 @@ _SPEED_ONLY = (
     "default_malloc",
 )
 _QUALITY_ONLY = ("seeds", "steps", "methods", "task")
-# What --compiled-for does not use: timing's and the plot's.
+# What --compiled-for does not use: timing's and the plot's; and its own.
 _NOT_COMPILED = ("repeats", "default_malloc", "plot", "quick")
+_COMPILED_ONLY = ("dtype", "mesh", "member_axis")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,8 +147,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"{flags} {'does' if len(given) == 1 else 'do'} not apply "
                 f"with --compiled-for (nothing is timed or trained)"
             )
-    elif args.dtype is not None:
-        parser.error("--dtype applies with --compiled-for only")
+    else:
+        given = [key for key in _COMPILED_ONLY if getattr(args, key) is not None]
+        if given:
+            flags = ", ".join("--" + key.replace("_", "-") for key in given)
+            parser.error(
+                f"{flags} {'applies' if len(given) == 1 else 'apply'} with "
+                f"--compiled-for only"
+            )
+    if args.member_axis is not None and args.member_axis not in (args.mesh or {}):
+        parser.error(
+            f"--member-axis {args.member_axis!r} must be an axis of --mesh "
+            f"({', '.join(args.mesh) if args.mesh else 'none given'})"
+        )
     other = _SPEED_ONLY if args.quality else _QUALITY_ONLY
     given = [key for key in other if getattr(args, key) is not None]
     if given:
@@ -372,6 +384,8 @@ def _main_compiled(args: argparse.Namespace, start: float) -> int:
             image_size=args.image_size,
             input_shape=args.input_shape,
             impl=args.impl,
+            mesh=args.mesh,
+            member_axis=args.member_axis,
             progress=_progress(sys.stderr),
         )
     except RuntimeError as error:  # a chip's compiler is missing

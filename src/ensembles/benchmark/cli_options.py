@@ -13,6 +13,7 @@ import ensembles
 from ensembles.benchmark.arguments import (
     choice_list,
     int_list,
+    mesh_axes,
     name_list,
     positive_int,
     shape,
@@ -219,6 +220,26 @@ def add_compiled_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--compiled-for: the dtypes of parameters, inputs and compute, "
         "comma-separated (default: float32)",
+    )
+    parser.add_argument(
+        "--mesh",
+        type=mesh_axes,
+        default=None,
+        metavar="AXES",
+        help="--compiled-for: compile for that many chips (an H100 node, a TPU "
+        "slice; the CPU's devices need XLA_FLAGS=--xla_force_host_platform_"
+        "device_count=N), a mesh of these axes, e.g. data=8 or data=4,model=2: "
+        "both programs get their rows split over every axis (--member-axis "
+        "first) and their parameters as their metadata places them (default: "
+        "one device); the figures are one device's, with its collectives",
+    )
+    parser.add_argument(
+        "--member-axis",
+        default=None,
+        metavar="AXIS",
+        help="--compiled-for with --mesh: the mesh axis the BatchEnsemble's "
+        "per-member arrays are split over (to_batch_ensemble(member_axis=...)); "
+        "its size must divide every E",
     )
 
 

@@ -179,7 +179,7 @@ def _benchmark(model: str, mode: str, method: str, **options) -> str:
     from ensembles.benchmark.cost.compiled import chips
     from ensembles.benchmark.cost.compiled.programs import model_programs
 
-    fn, specs, donate = model_programs(model, mode, **options)[method]
+    fn, specs, donate, _ = model_programs(model, mode, **options)[method]
     compiled, _ = chips.compile_for("h100", fn, specs, donate_argnums=donate)
     return compiled.as_text()
 

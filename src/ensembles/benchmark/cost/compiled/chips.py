@@ -1,16 +1,18 @@
-"""Chips this machine may lack, as compile targets: one compile-only device each.
+"""Chips this machine may lack, as compile targets: compile-only devices.
 
 ``jax.experimental.topologies`` describes a chip's devices without the chip:
-an H100 from ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` (no NVIDIA
-libraries needed) with a GPU target config
+an H100 node (``1x1xN``: N GPUs) from ``jax-cuda12-plugin`` and
+``jax-cuda12-pjrt`` (no NVIDIA libraries needed) with a GPU target config
 (``ensembles/benchmark/data/h100_target_config.txtpb``), TPUs from
-``libtpu`` (what ``jax[tpu]`` installs). Under ``jax.set_mesh`` over one of
-them, ``jax.jit(f).trace(*specs).lower().compile()`` runs the chip's own
-compilers (XLA GPU with Triton, XLA TPU with Mosaic) and returns the program
-the chip would run. Nothing may run eagerly under such a mesh: every model
-and argument is built abstractly (``nnx.eval_shape``,
-``jax.ShapeDtypeStruct``). ``"cpu"`` is this machine's own backend, compiled
-as usual. libtpu allows one process at a time.
+``libtpu`` (what ``jax[tpu]`` installs: slices such as ``v5e:2x2``). Under
+``jax.set_mesh`` over one of them or several, ``jax.jit(f).trace(*specs)
+.lower().compile()`` runs the chip's own compilers (XLA GPU with Triton, XLA
+TPU with Mosaic; for a mesh of several, XLA's SPMD partitioner first) and
+returns the program each device would run. Nothing may run eagerly under
+such a mesh: every model and argument is built abstractly
+(``nnx.eval_shape``, ``jax.ShapeDtypeStruct``). ``"cpu"`` is this
+machine's own backend, compiled as usual. libtpu allows one process at a
+time.
 
 >>> CHIPS[:3]
 ('cpu', 'h100', 'v2')
@@ -20,14 +22,23 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["CHIPS", "TPU_TOPOLOGIES", "chip_mesh", "compile_for", "platform_of"]
+__all__ = [
+    "CHIPS",
+    "TPU_SLICES",
+    "TPU_TOPOLOGIES",
+    "chip_mesh",
+    "compile_for",
+    "platform_of",
+]
 
 #: The smallest slice of each TPU that libtpu describes (a 1x1 v5e is refused).
 TPU_TOPOLOGIES: dict[str, str] = {
@@ -66,8 +77,21 @@ def _check_chip(chip: str) -> None:
         raise ValueError(f"`chip` must be one of {list(CHIPS)}, got {chip!r}.")
 
 
+#: Larger TPU slices, by the devices a mesh needs (the smallest that holds it).
+TPU_SLICES: dict[str, tuple[str, ...]] = {
+    "v2": ("v2:2x2", "v2:4x4"),
+    "v3": ("v3:2x2", "v3:4x4"),
+    "v4": ("v4:2x2x1", "v4:2x2x2", "v4:2x2x4"),
+    "v5e": ("v5e:2x2", "v5e:2x4", "v5e:4x4"),
+    "v5p": ("v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4"),
+    "v6e": ("v6e:2x2", "v6e:2x4", "v6e:4x4"),
+    "7x": ("tpu7x:2x2x1", "tpu7x:2x2x2", "tpu7x:2x2x4"),
+}
+
+
 @functools.cache
-def _topology_mesh(chip: str) -> Mesh:
+def _topology_devices(chip: str, num_devices: int) -> tuple[Any, ...]:
+    """``num_devices`` compile-only devices of ``chip``: an H100 node, a TPU slice."""
     from jax.experimental import topologies
 
     if chip == "h100":
@@ -77,53 +101,104 @@ def _topology_mesh(chip: str) -> Mesh:
             / "h100_target_config.txtpb"
         ).read_text()
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=config, topology="1x1x1"
+            platform="cuda", target_config=config, topology=f"1x1x{num_devices}"
         )
-    else:
-        topology = topologies.get_topology_desc(TPU_TOPOLOGIES[chip], platform="tpu")
-    return Mesh(topology.devices[:1], ("x",))
+        return tuple(topology.devices)
+    for name in TPU_SLICES[chip]:
+        topology = topologies.get_topology_desc(name, platform="tpu")
+        if len(topology.devices) >= num_devices:
+            return tuple(topology.devices[:num_devices])
+    raise ValueError(
+        f"the largest {chip} slice described here ({TPU_SLICES[chip][-1]}) has "
+        f"fewer than {num_devices} devices: ask for a smaller mesh."
+    )
 
 
-def chip_mesh(chip: str) -> Mesh | None:
-    """A one-device mesh of ``chip`` to compile for; ``None`` for ``"cpu"``.
+def _check_axes(axes: Mapping[str, int] | None) -> dict[str, int]:
+    if axes is None:
+        return {"x": 1}
+    if not axes or not all(
+        isinstance(name, str) and isinstance(size, int) and size >= 1
+        for name, size in axes.items()
+    ):
+        raise ValueError(
+            f"`mesh` must map axis names to positive sizes, e.g. {{'data': 8}}, "
+            f"got {axes!r}."
+        )
+    return dict(axes)
+
+
+def chip_mesh(chip: str, axes: Mapping[str, int] | None = None) -> Mesh | None:
+    """A mesh of ``chip``'s devices to compile for; ``None`` for one CPU device.
+
+    >>> chip_mesh("cpu") is None
+    True
 
     Args:
       chip: one of :data:`CHIPS`.
+      axes: the mesh's axes and their sizes (``{"data": 8}``: 8 H100s of one
+        node, or a TPU slice of 8 chips); ``None``: one device.
 
     Returns:
-      The mesh (``None``: this machine's CPU, compiled without one).
+      The mesh (``None``: this machine's CPU, one device, compiled without
+      one). Its axes are automatic (``jax.sharding.AxisType.Auto``): XLA's
+      partitioner places what the arguments' shardings leave open.
 
     Raises:
-      ValueError: if ``chip`` is unknown.
+      ValueError: if ``chip`` or ``axes`` is invalid, or this machine (CPU)
+        has fewer devices than the mesh needs (the message says how to get
+        them).
       RuntimeError: if this machine lacks the chip's compiler; the message
         says what to install (``JAX_PLATFORMS=cpu`` must be set for an H100
         without a GPU: the CUDA plugin refuses to start otherwise).
     """
     _check_chip(chip)
+    axes = _check_axes(axes)
+    num_devices = math.prod(axes.values())
     if chip == "cpu":
-        return None
-    try:
-        return _topology_mesh(chip)
-    except Exception as error:  # a missing plugin or libtpu: any error type
-        install = _INSTALL["h100" if chip == "h100" else "tpu"]
-        raise RuntimeError(
-            f"cannot compile for {chip} here ({type(error).__name__}: "
-            f"{str(error)[:300]}). Install its compiler at jax's version: "
-            f"{install.replace('JAX', jax.__version__)}"
-            + (
-                ", and run with JAX_PLATFORMS=cpu on a machine without a GPU."
-                if chip == "h100"
-                else "."
+        if num_devices == 1:
+            return None
+        devices = jax.devices("cpu")
+        if len(devices) < num_devices:
+            raise ValueError(
+                f"a CPU mesh of {num_devices} devices needs as many devices; this "
+                f"process has {len(devices)}. Start it with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices}."
             )
-        ) from error
+        devices = tuple(devices[:num_devices])
+    else:
+        try:
+            devices = _topology_devices(chip, num_devices)
+        except ValueError:
+            raise
+        except Exception as error:  # a missing plugin or libtpu: any error type
+            install = _INSTALL["h100" if chip == "h100" else "tpu"]
+            raise RuntimeError(
+                f"cannot compile for {chip} here ({type(error).__name__}: "
+                f"{str(error)[:300]}). Install its compiler at jax's version: "
+                f"{install.replace('JAX', jax.__version__)}"
+                + (
+                    ", and run with JAX_PLATFORMS=cpu on a machine without a GPU."
+                    if chip == "h100"
+                    else "."
+                )
+            ) from error
+    shape = tuple(axes.values())
+    return Mesh(
+        np.asarray(devices, dtype=object).reshape(shape),
+        tuple(axes),
+        axis_types=(AxisType.Auto,) * len(shape),
+    )
 
 
 def compile_for(
     chip: str,
     fn: Callable[..., Any],
-    specs: Sequence[jax.ShapeDtypeStruct],
+    specs: Sequence[Any],
     *,
     donate_argnums: Sequence[int] = (),
+    mesh: Mapping[str, int] | None = None,
+    partitions: Sequence[Any] | None = None,
 ) -> tuple[Any, float]:
     """Compiles ``fn`` at ``specs`` for ``chip``: the program and the seconds it took.
 
@@ -139,23 +214,41 @@ def compile_for(
       specs: the shape and dtype of each positional argument (leaves of any
         pytree structure are fine, as for ``jax.jit``).
       donate_argnums: arguments whose buffers the program may reuse.
+      mesh: the devices' mesh axes (:func:`chip_mesh`); ``None``: one
+        device. The program is traced with the mesh set, as a user's is
+        under ``jax.set_mesh``, and is the program of one device of it.
+      partitions: with ``mesh``, where each argument lies: per argument,
+        ``None`` (replicated) or a ``PartitionSpec``, or a pytree of them
+        matching the argument's (``None`` leaves replicated).
 
     Returns:
       ``(compiled, seconds)``: ``compiled.as_text()`` is the optimized HLO;
       the seconds are the chip's compiler's (tracing and lowering apart).
     """
-    mesh = chip_mesh(chip)
+    devices = chip_mesh(chip, mesh)
     jitted = jax.jit(fn, donate_argnums=tuple(donate_argnums))
-    if mesh is None:
+    if devices is None:
         lowered = jitted.trace(*specs).lower()
         start = time.perf_counter()
         return lowered.compile(), time.perf_counter() - start
-    replicated = NamedSharding(mesh, PartitionSpec())
-    placed = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), specs
-    )
-    with jax.set_mesh(mesh):
-        lowered = jitted.trace(*placed).lower()
+    if partitions is None:
+        partitions = [None] * len(specs)
+
+    def placed(spec, partition=None):
+        sharding = NamedSharding(devices, partition or PartitionSpec())
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+
+    def place(spec, partition):
+        if partition is None or isinstance(partition, PartitionSpec):
+            return jax.tree.map(lambda leaf: placed(leaf, partition), spec)
+        return jax.tree.map(placed, spec, partition, is_leaf=lambda x: x is None)
+
+    arguments = [
+        place(spec, partition)
+        for spec, partition in zip(specs, partitions, strict=True)
+    ]
+    with jax.set_mesh(devices):
+        lowered = jitted.trace(*arguments).lower()
         start = time.perf_counter()
         compiled = lowered.compile()
     return compiled, time.perf_counter() - start

@@ -22,17 +22,17 @@ True
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-import ensembles
 from ensembles.benchmark.cost.compiled import chips, hlo
-from ensembles.benchmark.cost.models import build_model, model_inputs
-from ensembles.benchmark.cost.steps import merge, optax_module, rest_of, train_loss
+from ensembles.benchmark.cost.compiled.builds import (
+    DTYPES,
+    layout_name,
+    model_programs,
+)
 from ensembles.benchmark.report import model_name
 
 __all__ = [
@@ -40,18 +40,10 @@ __all__ = [
     "Comparison",
     "ProgramCost",
     "compare_programs",
+    "layout_name",
     "model_programs",
     "program_cost",
 ]
-
-#: The dtypes a comparison can run in (parameters, inputs and compute alike).
-DTYPES: dict[str, jnp.dtype] = {
-    "float32": jnp.dtype(jnp.float32),
-    "bfloat16": jnp.dtype(jnp.bfloat16),
-}
-
-#: AdamW's learning rate in the compiled train step (any value compiles alike).
-LEARNING_RATE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +93,16 @@ class ProgramCost:
         """Bytes through main memory of one run: each kernel's operands + outputs."""
         return self.program.hbm_bytes
 
+    @property
+    def collectives(self) -> int:
+        """Collectives of one run (all-reduces, all-gathers, ...), trips counted."""
+        return self.program.collectives
+
+    @property
+    def collective_bytes(self) -> int:
+        """Bytes the collectives of one run carry."""
+        return self.program.collective_bytes
+
     def as_dict(self) -> dict[str, Any]:
         """The figures, for JSON."""
         return {
@@ -110,6 +112,8 @@ class ProgramCost:
             "loops": [list(loop) for loop in self.program.loops],
             "flops": self.flops,
             "hbm_bytes": self.hbm_bytes,
+            "collectives": self.collectives,
+            "collective_bytes": self.collective_bytes,
             "temp_bytes": self.temp_bytes,
             "compile_seconds": round(self.compile_seconds, 3),
         }
@@ -121,6 +125,8 @@ def program_cost(
     specs: Sequence[Any],
     *,
     donate_argnums: Sequence[int] = (),
+    mesh: Mapping[str, int] | None = None,
+    partitions: Sequence[Any] | None = None,
 ) -> ProgramCost:
     """Compiles ``fn`` for ``chip`` and counts its program.
 
@@ -135,12 +141,21 @@ def program_cost(
       fn: the function; its arguments' shapes and dtypes are ``specs``.
       specs: ``jax.ShapeDtypeStruct`` leaves (any pytree), one per argument.
       donate_argnums: arguments whose buffers the program may reuse.
+      mesh: the devices' mesh axes; ``None``: one device. The figures are
+        then one device's (each runs the same partitioned program).
+      partitions: with ``mesh``: where each argument lies
+        (:func:`~ensembles.benchmark.cost.compiled.chips.compile_for`).
 
     Returns:
       The :class:`ProgramCost`.
     """
     compiled, seconds = chips.compile_for(
-        chip, fn, specs, donate_argnums=donate_argnums
+        chip,
+        fn,
+        specs,
+        donate_argnums=donate_argnums,
+        mesh=mesh,
+        partitions=partitions,
     )
     memory = compiled.memory_analysis()
     return ProgramCost(
@@ -163,6 +178,11 @@ class Comparison:
       batch: B, rows per member.
       ensemble: the BatchEnsemble's program.
       plain: the plain model's program on all ``E*B`` rows.
+      layout: where the rows and parameters lie (:func:`layout_name`):
+        ``"one device"``, or a mesh's axes (``"data=8"``), both programs
+        placed alike but for the members' axis of a BatchEnsemble's
+        per-member arrays (``"data=2,model=4 members:model"``). The
+        figures are then one device's.
     """
 
     model: str
@@ -172,6 +192,7 @@ class Comparison:
     batch: int
     ensemble: ProgramCost
     plain: ProgramCost
+    layout: str = "one device"
 
     @property
     def chip(self) -> str:
@@ -223,6 +244,7 @@ class Comparison:
             "num_members": self.num_members,
             "batch": self.batch,
             "chip": self.chip,
+            "layout": self.layout,
             "batchensemble": self.ensemble.as_dict(),
             "single": self.plain.as_dict(),
             "extra_kernels": [
@@ -245,123 +267,6 @@ def _likeness(a: hlo.Kernel, b: hlo.Kernel) -> tuple[float, float]:
     return shared, -abs(a.hbm_bytes - b.hbm_bytes)
 
 
-def _abstract(model: Any, dtype: jnp.dtype) -> tuple[Any, Any, Any]:
-    """``model`` split into graph, parameters and rest, as specs in ``dtype``."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def spec(leaf):
-        leaf_dtype = leaf.dtype
-        if jnp.issubdtype(leaf_dtype, jnp.floating):
-            leaf_dtype = dtype
-        return jax.ShapeDtypeStruct(leaf.shape, leaf_dtype)
-
-    return graphdef, jax.tree.map(spec, params), jax.tree.map(spec, rest)
-
-
-def _forward(graphdef):
-    """The forward of a split model: ``(params, rest, x) -> outputs``."""
-
-    def forward(params, rest, x):
-        return merge(graphdef, params, rest)(x)
-
-    return forward
-
-
-def _train_step(graphdef, labels):
-    """An AdamW step of a split model, and the optax transformation.
-
-    ``(params, opt_state, rest, x, y) -> (params, opt_state, rest, loss)``;
-    the loss is :func:`~ensembles.benchmark.cost.steps.train_loss`'s for ``labels``,
-    of the outputs in float32.
-    """
-    _, loss_of = train_loss(labels)
-    optax = optax_module()
-    tx = optax.adamw(LEARNING_RATE)
-
-    def loss_fn(params, rest, x, y):
-        model = merge(graphdef, params, rest)
-        loss = loss_of(model(x).astype(jnp.float32), y)
-        return loss, rest_of(model)
-
-    def train(params, opt_state, rest, x, y):
-        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, rest, x, y
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, rest, loss
-
-    return train, tx
-
-
-def model_programs(
-    model: str | Callable[[nnx.Rngs], nnx.Module],
-    mode: str,
-    *,
-    num_members: int,
-    batch: int,
-    dtype: str = "float32",
-    width: int | None = None,
-    image_size: int = 32,
-    input_shape: Sequence[int] | None = None,
-    impl: str = "xla",
-    norms: str = "shared",
-) -> dict[str, tuple[Callable[..., Any], list[Any], tuple[int, ...]]]:
-    """The plain and the BatchEnsemble program of a model, built abstractly.
-
-    Args:
-      model: one of :data:`~ensembles.benchmark.MODELS` or a factory ``rngs ->
-        nnx.Module`` (with ``input_shape``).
-      mode: ``"forward"`` or ``"train"`` (softmax cross-entropy, or the
-        squared error for one output, and an ``optax.adamw`` update).
-      num_members: E.
-      batch: B, rows per member; both programs see ``E*B`` rows.
-      dtype: a key of :data:`DTYPES`: parameters, inputs and compute.
-      width: as for :func:`~ensembles.benchmark.build_model`.
-      image_size: the CNN's image height and width.
-      input_shape: a factory's example shape.
-      impl: the BatchEnsemble layers' ``impl``.
-      norms: how the conversion treats the model's norms, as
-        :func:`ensembles.to_batch_ensemble`'s ``norms``.
-
-    Returns:
-      ``{"single": (fn, specs, donate_argnums), "batchensemble": (...)}``.
-    """
-    if mode not in ("forward", "train"):
-        raise ValueError(f"`mode` must be 'forward' or 'train', got {mode!r}.")
-    if dtype not in DTYPES:
-        raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {dtype!r}.")
-    x, labels = model_inputs(
-        model,
-        num_members * batch,
-        width=width,
-        image_size=image_size,
-        input_shape=input_shape,
-    )
-    x_spec = jax.ShapeDtypeStruct(x.shape, DTYPES[dtype])
-    y_spec = jax.ShapeDtypeStruct(labels.shape, labels.dtype)
-
-    def plain():
-        return build_model(model, width=width, rngs=nnx.Rngs(0))
-
-    def converted():
-        ensemble = ensembles.to_batch_ensemble(
-            plain(), num_members=num_members, rngs=nnx.Rngs(1), norms=norms
-        )
-        return nnx.view(ensemble, impl=impl)
-
-    programs = {}
-    for method, build in (("single", plain), ("batchensemble", converted)):
-        graphdef, params, rest = _abstract(nnx.eval_shape(build), DTYPES[dtype])
-        if mode == "forward":
-            programs[method] = (_forward(graphdef), [params, rest, x_spec], ())
-        else:
-            train, tx = _train_step(graphdef, labels)
-            opt_state = jax.eval_shape(tx.init, params)
-            specs = [params, opt_state, rest, x_spec, y_spec]
-            programs[method] = (train, specs, (0, 1, 2))
-    return programs
-
-
 def compare_programs(
     model: str | Callable[[nnx.Rngs], nnx.Module],
     mode: str,
@@ -375,6 +280,8 @@ def compare_programs(
     input_shape: Sequence[int] | None = None,
     impl: str = "xla",
     norms: str = "shared",
+    mesh: Mapping[str, int] | None = None,
+    member_axis: str | None = None,
 ) -> Comparison:
     """Compiles a model and its BatchEnsemble for ``chip`` and compares them.
 
@@ -390,6 +297,8 @@ def compare_programs(
       input_shape: see :func:`model_programs`.
       impl: the BatchEnsemble layers' ``impl``.
       norms: see :func:`model_programs`.
+      mesh: see :func:`model_programs`; the figures are one device's.
+      member_axis: see :func:`model_programs`.
 
     Returns:
       The :class:`Comparison`.
@@ -410,10 +319,19 @@ def compare_programs(
         input_shape=input_shape,
         impl=impl,
         norms=norms,
+        mesh=mesh,
+        member_axis=member_axis,
     )
     costs = {
-        method: program_cost(chip, fn, specs, donate_argnums=donate)
-        for method, (fn, specs, donate) in programs.items()
+        method: program_cost(
+            chip,
+            fn,
+            specs,
+            donate_argnums=donate,
+            mesh=mesh,
+            partitions=partitions,
+        )
+        for method, (fn, specs, donate, partitions) in programs.items()
     }
     return Comparison(
         model=model_name(model),
@@ -423,4 +341,5 @@ def compare_programs(
         batch=batch,
         ensemble=costs["batchensemble"],
         plain=costs["single"],
+        layout=layout_name(mesh, member_axis),
     )

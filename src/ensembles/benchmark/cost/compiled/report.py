@@ -10,11 +10,15 @@ each BatchEnsemble's extra kernels come from.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ensembles.benchmark.cost.compiled.hlo import Kernel
-from ensembles.benchmark.cost.compiled.programs import Comparison, compare_programs
+from ensembles.benchmark.cost.compiled.programs import (
+    Comparison,
+    compare_programs,
+    layout_name,
+)
 from ensembles.benchmark.report import render_table
 
 __all__ = ["COLLECTIVES_COLUMN", "COLUMNS", "format_comparisons", "run_comparisons"]
@@ -54,6 +58,8 @@ def run_comparisons(
     image_size: int = 32,
     input_shape: Sequence[int] | None = None,
     impl: str = "xla",
+    mesh: Mapping[str, int] | None = None,
+    member_axis: str | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[Comparison]:
     """Every comparison asked for, chip by chip (libtpu allows one at a time).
@@ -69,6 +75,11 @@ def run_comparisons(
       image_size: the CNN's image height and width.
       input_shape: a factory's example shape.
       impl: the BatchEnsemble layers' ``impl``.
+      mesh: the devices' mesh axes (``{"data": 8}``): each program is
+        compiled for that many chips, the rows over the mesh, and its
+        figures are one device's; ``None``: one device.
+      member_axis: with ``mesh``, the axis the BatchEnsemble's per-member
+        arrays are split over (``to_batch_ensemble(member_axis=...)``).
       progress: called with a line before each compile.
 
     Returns:
@@ -82,7 +93,8 @@ def run_comparisons(
                     for dtype in dtypes:
                         progress(
                             f"compiling {getattr(model, '__name__', model)} {mode} "
-                            f"E={num_members} {dtype} for {chip}"
+                            f"E={num_members} {dtype} for {chip} "
+                            f"({layout_name(mesh, member_axis)})"
                         )
                         rows.append(
                             compare_programs(
@@ -96,6 +108,8 @@ def run_comparisons(
                                 image_size=image_size,
                                 input_shape=input_shape,
                                 impl=impl,
+                                mesh=mesh,
+                                member_axis=member_axis,
                             )
                         )
     progress("")
@@ -169,7 +183,9 @@ def format_comparisons(
     ``flops x`` and ``bytes x`` are the BatchEnsemble's over the plain
     model's; ``kernels``, ``matmul/conv``, ``loops``, ``temp MiB``,
     ``compile s`` and, where a program has collectives, ``collectives (MB)``
-    give both, BatchEnsemble first.
+    give both, BatchEnsemble first. Where a comparison ran on a mesh of
+    several devices a ``layout`` column names it, and its figures are one
+    device's.
 
     Args:
       rows: :func:`run_comparisons`' results.
@@ -188,10 +204,18 @@ def format_comparisons(
         columns = (*COLUMNS, COLLECTIVES_COLUMN)
         for row, row_cells in zip(rows, cells, strict=True):
             row_cells.append(_collectives(row))
-    table = render_table(columns, cells, markdown=markdown, left=1)
+    left = columns.index("model")
+    if any(row.layout != "one device" for row in rows):
+        # Several devices' programs: the mesh (figures are one device's).
+        columns = (columns[0], "layout", *columns[1:])
+        for row, row_cells in zip(rows, cells, strict=True):
+            row_cells.insert(1, row.layout)
+        left += 1
+    table = render_table(columns, cells, markdown=markdown, left=left)
     lines = [
-        f"- {row.chip} {row.model} {row.mode} {row.dtype} E={row.num_members}: "
-        f"{_sources(row, limit)}"
+        f"- {row.chip} {row.model} {row.mode} {row.dtype} E={row.num_members}"
+        + ("" if row.layout == "one device" else f" ({row.layout})")
+        + f": {_sources(row, limit)}"
         for row in rows
     ]
     heading = (

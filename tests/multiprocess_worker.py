@@ -210,6 +210,19 @@ def main():
     except ValueError as error:
         result["mistake_caught"] = str(error)
 
+    # 1b. A different seed per process (issue 67): caught when the parameters
+    # are placed, naming both causes; the same seed is placed.
+    with jax.set_mesh(data_mesh):
+        for name, seed in (("own", jax.process_index()), ("same", 1)):
+            model = ensembles.to_batch_ensemble(
+                mlp(), num_members=4, rngs=nnx.Rngs(seed), member_axis="data"
+            )
+            try:
+                multihost.place_state(nnx.split(model, nnx.Param)[1], data_mesh)
+                result[f"seed_{name}_caught"] = None
+            except ValueError as error:
+                result[f"seed_{name}_caught"] = str(error)
+
     # 3. A mesh of one process's devices, as a one-host snippet builds it.
     local_only = jax.make_mesh(
         (jax.local_device_count(),),

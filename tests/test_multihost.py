@@ -225,3 +225,49 @@ def test_to_batch_ensemble_checks_member_axis_before_drawing():
     with pytest.raises(TypeError, match="`member_axis` must be a mesh axis name"):
         ensembles.to_batch_ensemble(model, num_members=2, rngs=rngs, member_axis=1)
     assert rngs.params.count[...] == before
+
+
+# ------------------------------------------------- parameters placed (issue 67)
+
+
+def _converted(seed):
+    model = ensembles.to_batch_ensemble(
+        nnx.Linear(3, 2, rngs=nnx.Rngs(seed)), num_members=2, rngs=nnx.Rngs(seed),
+        member_axis="data",
+    )  # fmt: skip
+    return nnx.split(model, nnx.Param)[1]
+
+
+def test_place_state_places_every_array_as_annotated():
+    mesh = one_device_mesh()
+    params = _converted(0)
+    placed = multihost.place_state(params, mesh)
+    specs = nnx.get_partition_spec(params)
+    expected = jax.device_put(
+        params, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding == b.sharding
+    assert placed["r"][...].sharding.spec == PartitionSpec("data", None)
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax\.sharding\.Mesh"):
+        multihost.place_state(params, "data")
+
+
+def test_a_different_seed_per_process_is_caught_at_placement(monkeypatch):
+    """Two processes, faked: this one's digests and those of a process that
+    built the model from another seed. The error names both causes."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    tables = []
+
+    def gather(table):
+        tables.append(np.asarray(table))
+        return np.stack([tables[0], tables[-1]])
+
+    monkeypatch.setattr(multihost.multihost_utils, "process_allgather", gather)
+    multihost.check_replicas(_converted(1))  # the other process's digests
+    with pytest.raises(ValueError, match="copies differ between processes") as info:
+        multihost.place_state(_converted(0), one_device_mesh())
+    message = str(info.value)
+    assert "different seed per process" in message and "global_batch" in message
+    multihost.check_replicas(_converted(1))  # the same values: no error

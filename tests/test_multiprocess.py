@@ -177,6 +177,14 @@ def test_a_batch_of_each_process_own_rows_as_numpy_is_caught(worker):
         assert "global_batch" in result["mistake_caught"]
 
 
+def test_a_different_seed_per_process_is_caught_at_placement(worker):
+    _, results = worker
+    for result in results:
+        assert "copies differ between processes" in result["seed_own_caught"]
+        assert "different seed per process" in result["seed_own_caught"]
+        assert result["seed_same_caught"] is None
+
+
 def test_results_spanning_processes_are_read_back_whole(worker):
     _, results = worker
     for result in results:

@@ -14,7 +14,12 @@ own devices hold. Three mistakes run without an error there:
   step on that process alone; the others fail only when they read a result
   (:func:`process_rows` and :func:`global_batch` refuse such a sharding);
 - ``np.asarray`` of an array that spans other processes' devices raises;
-  :func:`to_host` reads any array or tree back whole, on every process.
+  :func:`to_host` reads any array or tree back whole, on every process;
+- processes that build different parameters (a different seed per process,
+  ``nnx.Rngs(jax.process_index())``) place them with ``jax.device_put``
+  without a word, each process's values on its own devices:
+  :func:`place_state` places them and checks first that every process built
+  the same (:func:`check_replicas` finds it later).
 
 Every function also works in a single process, where it is the trivial
 case, so the same training script runs on one machine and on many
@@ -30,12 +35,20 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ensembles._checks import check_positive_int
 
-__all__ = ["check_replicas", "global_batch", "local_mesh", "process_rows", "to_host"]
+__all__ = [
+    "check_replicas",
+    "global_batch",
+    "local_mesh",
+    "place_state",
+    "process_rows",
+    "to_host",
+]
 
 
 @contextlib.contextmanager
@@ -77,18 +90,23 @@ def _row_sharding(sharding: Any, name: str) -> NamedSharding:
             f"PartitionSpec of the rows, e.g. NamedSharding(mesh, P('data'))), got "
             f"{type(sharding).__name__}."
         )
-    held = sorted({device.process_index for device in sharding.device_set})
+    _check_every_process(sharding.device_set, f"`{name}`'s mesh")
+    rows = sharding.spec[0] if len(sharding.spec) else None
+    return NamedSharding(sharding.mesh, PartitionSpec(rows))
+
+
+def _check_every_process(devices: Any, what: str) -> None:
+    """Raises unless ``devices`` include devices of every process."""
+    held = sorted({device.process_index for device in devices})
     if len(held) != jax.process_count():
         raise ValueError(
-            f"`{name}`'s mesh holds the devices of process(es) {held} only, of "
+            f"{what} holds the devices of process(es) {held} only, of "
             f"{jax.process_count()}: every step would run on them alone and the "
             f"other processes fail only when they read a result. Build the mesh "
             f"from every process's devices, e.g. jax.make_mesh((jax.device_count(),"
             f"), ('data',), devices=jax.devices()), not jax.devices()[:"
             f"jax.local_device_count()]."
         )
-    rows = sharding.spec[0] if len(sharding.spec) else None
-    return NamedSharding(sharding.mesh, PartitionSpec(rows))
 
 
 def process_rows(sharding: NamedSharding, num_rows: int) -> np.ndarray:
@@ -220,6 +238,59 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(read, tree)
 
 
+def place_state(state: Any, mesh: jax.sharding.Mesh) -> Any:
+    """A model's state placed on ``mesh`` as annotated, once every process agrees.
+
+    ``jax.device_put`` of a state built in each process takes each
+    process's own values for its own devices: processes that built
+    different ones (a different seed per process, a checkpoint read from
+    different files) start with replicas that differ, and train apart from
+    the first step without a word. This checks that every process holds the
+    same values (:func:`check_replicas`: a digest per array and one small
+    gather), then places every array as ``nnx.get_partition_spec`` reads
+    its annotations (``to_batch_ensemble(..., member_axis=...)``'s, the
+    model's own; none: replicated). Every process must call it with the
+    same tree.
+
+    >>> import jax
+    >>> from flax import nnx
+    >>> import ensembles
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> model = ensembles.to_batch_ensemble(nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+    ...                                     num_members=2, rngs=nnx.Rngs(1),
+    ...                                     member_axis="data")
+    >>> graphdef, params = nnx.split(model, nnx.Param)
+    >>> params = ensembles.multihost.place_state(params, mesh)
+    >>> [tuple(params[name][...].sharding.spec) for name in ("r", "kernel")]
+    [('data', None), ()]
+
+    Args:
+      state: an ``nnx.State`` (``nnx.split(model, nnx.Param)[1]``, or the
+        whole state).
+      mesh: the mesh of every process's devices.
+
+    Returns:
+      ``state`` with every array placed on ``mesh``.
+
+    Raises:
+      TypeError: if ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: if the processes' values differ (naming the first array
+        and both causes), or ``mesh`` leaves out some process's devices.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh of every process's devices, got "
+            f"{type(mesh).__name__}: e.g. jax.make_mesh((jax.device_count(),), "
+            f"('data',), devices=jax.devices())."
+        )
+    check_replicas(state, name="state")
+    _check_every_process(mesh.devices.flat, "`mesh`")
+    specs = nnx.get_partition_spec(state)
+    return jax.device_put(
+        state, jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
+
+
 def _blocks(leaf: Any) -> tuple[list, dict]:
     """A leaf's blocks (every process's) and the digests of this process's."""
     if not isinstance(leaf, jax.Array):  # a host value: one block per process
@@ -289,11 +360,17 @@ def check_replicas(tree: Any, *, name: str = "tree") -> None:
                 where = jax.tree_util.keystr(path) or name
                 raise ValueError(
                     f"`{name}`'s copies differ between processes (or devices) at "
-                    f"{where} (block {list(block)}): each process trained its own. "
-                    f"A batch passed to a jitted step as a host (numpy) array is "
-                    f"read as the same replicated batch on every process, so "
-                    f"processes that pass their own rows train apart silently. "
-                    f"Build the global batch with ensembles.multihost.global_batch "
-                    f"(or jax.make_array_from_process_local_data)."
+                    f"{where} (block {list(block)}): each process holds its own. "
+                    f"Two mistakes do this silently. (1) The processes built "
+                    f"different values: a different seed per process (e.g. "
+                    f"nnx.Rngs(jax.process_index())) or a model loaded "
+                    f"differently; build it with the same seed everywhere, and "
+                    f"place it with ensembles.multihost.place_state, which "
+                    f"checks this before the first step. (2) A batch passed to a "
+                    f"jitted step as a host (numpy) array is read as the same "
+                    f"replicated batch on every process, so processes that pass "
+                    f"their own rows train apart; build the global batch with "
+                    f"ensembles.multihost.global_batch (or "
+                    f"jax.make_array_from_process_local_data)."
                 )
             row += 1

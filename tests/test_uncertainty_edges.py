@@ -129,7 +129,6 @@ def _assert_same(eager, jitted):
         assert np.array_equal(np.isnan(np.asarray(a)), np.isnan(np.asarray(b)))
 
 
-@pytest.mark.parametrize("valid", [True, False], ids=["valid", "one_invalid"])
 @pytest.mark.parametrize(
     "name, form",
     [
@@ -138,36 +137,69 @@ def _assert_same(eager, jitted):
         for form in (SCALAR_FORMS if option is not None else ["python"])
     ],
 )
-def test_jit_equals_eager(name, form, valid):
+def test_jit_equals_eager(name, form):
+    """Valid inputs, then one invalid entry (NaN both ways), one program."""
     function = getattr(uncertainty, name)
     names, option = CASES[name]
-    arrays = ARRAYS if valid else _poisoned(ARRAYS)
-    args = [arrays[n] for n in names]
     extra = () if option is None else (SCALAR_FORMS[form](option),)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "fit_std_scale ended at")
-        eager = function(*args, *extra)
-        jitted = jax.jit(lambda *a: function(*a, *extra))(*args)
-        _assert_same(eager, jitted)
-        if name in TRACEABLE and form == "concrete":
-            traced = jax.jit(function)(*args, *extra)
-            _assert_same(eager, traced)
-    if not valid:
-        assert np.isnan(np.asarray(jax.tree.leaves(eager)[0])).any(), name
+    jitted = jax.jit(lambda *a: function(*a, *extra))
+    traced = jax.jit(function) if name in TRACEABLE and form == "concrete" else None
+    for arrays in (ARRAYS, _poisoned(ARRAYS)):
+        args = [arrays[n] for n in names]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "fit_std_scale ended at")
+            eager = function(*args, *extra)
+            _assert_same(eager, jitted(*args))
+            if traced is not None:
+                _assert_same(eager, traced(*args, *extra))
+    assert np.isnan(np.asarray(jax.tree.leaves(eager)[0])).any(), name
 
 
-@pytest.mark.parametrize("scale", [math.nan, -1.0, 1e39])
-def test_a_known_bad_scale_under_jit_raises_as_eagerly(scale):
+#: A known bad option under jit: the error of the eager call, at trace time.
+BAD_OPTIONS = {
+    "scale nan": (lambda m, s: uncertainty.scale_std(m, s, math.nan), "`scale`"),
+    "scale -1": (lambda m, s: uncertainty.scale_std(m, s, -1.0), "`scale`"),
+    "scale 1e39": (lambda m, s: uncertainty.scale_std(m, s, 1e39), "`scale`"),
+    "scales": (
+        lambda m, s: uncertainty.scale_member_stds(m, s, [1.0, 0.0, 2.0]),
+        "`scales`",
+    ),
+    "level": (lambda m, s: uncertainty.mixture_quantile(m, s, 1.5), "`levels`"),
+    "levels": (
+        lambda m, s: uncertainty.mixture_quantile(m, s, np.array([0.2, 1.5])),
+        "`levels`",
+    ),
+    "quantile": (lambda m, s: uncertainty.conformal_interval(m, s, -1.0), "`quantile`"),
+    "temperature": (
+        lambda m, s: uncertainty.scale_temperature(ARRAYS["logits"], 0.0),
+        "`temperature`",
+    ),
+    "temperatures": (
+        lambda m, s: uncertainty.scale_member_temperatures(
+            ARRAYS["logits"], np.array([1.0, 0.0, 1.0])
+        ),
+        "`temperatures`",
+    ),
+}
+
+
+@pytest.mark.parametrize("call, name", BAD_OPTIONS.values(), ids=BAD_OPTIONS)
+def test_a_known_bad_option_under_jit_raises_as_eagerly(call, name):
     means, stds = ARRAYS["means"], ARRAYS["stds"]
-    with pytest.raises(ValueError, match="`scale`"):
-        uncertainty.scale_std(means, stds, scale)
-    with pytest.raises(ValueError, match="`scale`"):
-        jax.jit(lambda m, s: uncertainty.scale_std(m, s, scale))(means, stds)
-    # Traced, its value unknown: NaN, as documented.
+    with pytest.raises(ValueError, match=name) as eager:
+        call(means, stds)
+    with pytest.raises(ValueError, match=name) as jitted:
+        jax.jit(call)(means, stds)
+    assert str(jitted.value) == str(eager.value)
+
+
+def test_a_traced_bad_scale_gives_nan():
+    """Its value unknown when traced: NaN, as documented."""
     with np.errstate(over="ignore"):  # 1e39 is inf in float32
-        traced = jnp.float32(scale)
-    scaled = jax.jit(uncertainty.scale_std)(means, stds, traced)
-    assert np.isnan(np.asarray(scaled[0])).all()
+        scales = [jnp.float32(v) for v in (math.nan, -1.0, 1e39)]
+    for scale in scales:
+        scaled = jax.jit(uncertainty.scale_std)(ARRAYS["means"], ARRAYS["stds"], scale)
+        assert np.isnan(np.asarray(scaled[0])).all()
 
 
 # --- 2. NaN predictions in the quality benchmark -------------------------------------

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensembles._checks import as_array
+from ensembles._checks import check_array, known_values
 from ensembles.uncertainty import _regression as reg
 
 __all__ = [
@@ -323,7 +323,11 @@ def _quantile(means, stds, levels):
 
 def _check_levels(levels: Any) -> tuple[jax.Array, bool]:
     """``levels`` as a ``[Q]`` array in ``(0, 1)``, and whether it was a scalar."""
-    array = as_array(levels, "levels", what="a level in (0, 1) or an array of them")
+    levels = check_array(levels, "levels", what="a level in (0, 1) or an array of them")
+    # Known values are checked on the host, under jax.jit too (a jnp
+    # conversion of them would be traced there).
+    values = known_values(levels)
+    array = jnp.asarray(levels)
     if array.dtype == jnp.bool_ or not (
         jnp.issubdtype(array.dtype, jnp.floating)
         or jnp.issubdtype(array.dtype, jnp.integer)
@@ -334,10 +338,8 @@ def _check_levels(levels: Any) -> tuple[jax.Array, bool]:
             f"`levels` must be a number or a 1-D array of them, got shape "
             f"{tuple(array.shape)}: pass `levels.reshape(-1)`."
         )
-    try:
-        values = np.asarray(array, np.float64)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        values = None
+    if values is not None:
+        values = values.astype(np.float64)
     if values is not None and not ((values > 0) & (values < 1)).all():
         raise ValueError(
             f"`levels` must lie strictly between 0 and 1, got {values.tolist()!r}."

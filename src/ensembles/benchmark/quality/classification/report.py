@@ -4,14 +4,18 @@ The first table is the fair comparison: every method after its own
 temperature, fitted on held-out training data; then the share of the NLL gap
 from one model to the deep ensemble that each method closes; then the
 figures as trained, with out-of-distribution detection by total entropy and
-mutual information; then NLL / ECE per severity, and every method at each
-calibration.
+mutual information; then NLL / ECE per severity, every method at each
+calibration, and the rest of the toolbox
+(:mod:`~ensembles.benchmark.quality.classification.toolbox_report`):
+calibrators beyond one temperature, conformal sets, every OOD score,
+selective prediction by every score.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ensembles.benchmark.quality.classification.toolbox_report import toolbox_tables
 from ensembles.benchmark.quality.tables import (
     best_row,
     calibration_tables,
@@ -163,4 +167,5 @@ def classification_block(group: list[dict[str, Any]], *, markdown: bool = False)
         ),
     ]
     block += calibration_tables(group, second="ece", markdown=markdown)
+    block += toolbox_tables(group, markdown=markdown)
     return "\n".join(block)

@@ -30,6 +30,14 @@ from ensembles.benchmark.quality.calibration import (
     diversity,
     diversity_sets,
 )
+from ensembles.benchmark.quality.classification.toolbox import (
+    CALIBRATORS,
+    calibrate_beyond_temperature,
+    measure_sets,
+    nan_sets,
+    ood_by_score,
+    selective_measured,
+)
 from ensembles.benchmark.quality.data import QualityData
 from ensembles.benchmark.quality.measures import (
     at_bound,
@@ -76,7 +84,7 @@ def _measure_sets(predict: Callable, data: QualityData, mutual_information: bool
     result["shift"], result["shift_mean"] = over_shifts(
         lambda x, y: _metrics(predict(x), y), data.shifted
     )
-    ood = {}
+    ood, by_score = {}, {}
     for name, x in data.ood.items():
         logits_out = predict(x)
         auroc_h, fpr_h = _ood(uncertainty.total_entropy, logits_in, logits_out)
@@ -89,8 +97,12 @@ def _measure_sets(predict: Callable, data: QualityData, mutual_information: bool
                     uncertainty.mutual_information, logits_in, logits_out
                 )
             scores.update(auroc_mi=auroc_mi, fpr95_mi=fpr_mi)
+            by_score[name] = ood_by_score(logits_in, logits_out)  # as trained
         ood[name] = scores
     result["ood"] = ood
+    if mutual_information:  # as trained: the logits every score reads
+        result["ood_scores"] = by_score
+        result["selective"] = selective_measured(predict, data)
     return result
 
 
@@ -138,6 +150,16 @@ def evaluate(
       ``diverged`` says the method's logits on the validation set hold a NaN
       or infinity (training diverged): no temperature is fitted, its
       recalibrated figures are NaN, and the other methods' rows stand.
+      The rest of the toolbox
+      (:mod:`~ensembles.benchmark.quality.classification.toolbox`), from the
+      logits as trained: ``ood_scores`` is ``{set: {"auroc_<score>": a,
+      "fpr95_<score>": f}}`` for every score of its ``OOD_SCORES``; ``selective``
+      is ``{"in_distribution": {score: AURC}, "shift_mean": {...}}``;
+      ``calibrators`` ``{name: {"in_distribution": ..., "shift_mean":
+      ...}}`` for every calibrator of its ``CALIBRATORS``, fitted on
+      ``(x_valid, y_valid)``; ``sets`` the conformal sets' sizes and
+      coverages (``size_<variant>``, ``coverage_<variant>``) in
+      distribution and under shift.
     """
     predict = cached(trained.predict)  # every calibration measures the same logits
     valid = predict(x_valid)
@@ -162,6 +184,10 @@ def evaluate(
             name: nan_like({"temperature": 0, **_in_and_shift(as_trained)})
             for name in CALIBRATIONS
         }
+        result["calibrators"] = {
+            name: nan_like(_in_and_shift(as_trained)) for name in CALIBRATORS
+        }
+        result["sets"] = nan_sets()
         return result
 
     def recalibrated(x: np.ndarray) -> jax.Array:
@@ -179,6 +205,10 @@ def evaluate(
     result["calibrations"] = calibrate_classifier(
         predict, measure, data.x_train, x_valid, y_valid, TEMPERATURE_BOUNDS
     )
+    result["calibrators"] = calibrate_beyond_temperature(
+        predict, measure, x_valid, y_valid
+    )
+    result["sets"] = measure_sets(predict, data, x_valid, y_valid)
     return result
 
 

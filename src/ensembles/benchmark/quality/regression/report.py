@@ -6,7 +6,9 @@ of the NLL and CRPS gaps from one model to the deep ensemble that each
 method closes; then the figures as trained, with out-of-distribution
 detection by the members' disagreement (epistemic variance) and by the
 total variance, and split-conformal coverage; then NLL / CRPS / 90%
-coverage per severity. Every figure is in the targets' units.
+coverage per severity; then the 90% intervals compared (the mixture's, the
+conformal ``mu +- q sd`` and the conformalised mixture interval, CQR).
+Every figure is in the targets' units.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ensembles.benchmark.quality.tables import (
     calibration_tables,
     cell,
     gap_lines,
+    mean_cell,
     method_label,
     severity_table,
     title,
@@ -124,6 +127,47 @@ def _as_trained_table(group) -> tuple[list[str], list[list[str]]]:
     return header, [*rows, ["best", *_best(group, columns)]]
 
 
+# The 90% intervals compared: (header, the metrics' suffix).
+_INTERVALS: tuple[tuple[str, str], ...] = (
+    ("mixture", ""),
+    ("conformal mu +- q sd", "_conformal"),
+    ("conformal mixture (CQR)", "_cqr"),
+)
+
+
+def _interval_tables(group, markdown: bool) -> list[str]:
+    """Coverage / width of the 90% intervals, in distribution and under shift."""
+    if "coverage90_cqr" not in group[0]["in_distribution"]:
+        return []  # results of an older run
+    header = ["method", *(name for name, _ in _INTERVALS)]
+    lines = []
+    for part, label in (
+        ("in_distribution", "in distribution"),
+        ("shift_mean", "under shift"),
+    ):
+        rows = [
+            [
+                method_label(entry),
+                *(
+                    " / ".join(
+                        mean_cell(entry[part].get(f"{metric}90{suffix}"))
+                        for metric in ("coverage", "width")
+                    )
+                    for _, suffix in _INTERVALS
+                ),
+            ]
+            for entry in group
+        ]
+        lines += [
+            "",
+            f"90% intervals as trained, {label}: coverage / mean width (the "
+            "mixture's own; the conformal ones fitted on the held-out examples):",
+            "",
+            render_table(header, rows, markdown=markdown, left=0),
+        ]
+    return lines
+
+
 def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> str:
     """The tables of one regression task, model and E (summarised entries).
 
@@ -179,5 +223,6 @@ def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> 
         "",
         table(severity_table(group, None, _SEVERITY_METRICS, method_label)),
     ]
+    block += _interval_tables(group, markdown)
     block += calibration_tables(group, second="coverage90", markdown=markdown)
     return "\n".join(block)

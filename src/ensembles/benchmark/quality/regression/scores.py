@@ -8,9 +8,12 @@ targets); the ensemble predicts their exact uniform mixture
 scaled by one factor of its own (:func:`ensembles.uncertainty.fit_std_scale`),
 fitted on the validation split (never the test set), the regression analogue
 of a classifier's temperature. Split-conformal intervals fitted on the same
-split (:func:`ensembles.uncertainty.fit_conformal_quantile`) are measured
-beside them: their coverage is guaranteed in distribution, and the shifted
-sets show by how much it fails out of it.
+split are measured beside them, ``mu +- q sd``
+(:func:`ensembles.uncertainty.fit_conformal_quantile`) and the mixture's own
+interval widened by a conformal margin (CQR,
+:func:`ensembles.uncertainty.fit_conformal_margin`): their coverage is
+guaranteed in distribution, and the shifted sets show by how much it fails
+out of it.
 """
 
 from __future__ import annotations
@@ -129,7 +132,9 @@ def _metric_values(means, stds, targets) -> dict[str, jax.Array]:
     }
 
 
-def _metrics(members: tuple, targets: np.ndarray, quantile: float | None) -> dict:
+def _metrics(
+    members: tuple, targets: np.ndarray, conformal: tuple[float, float] | None
+) -> dict:
     values = {
         name: float(value)
         # Converted before the jit: its boundary would wrap int64 targets.
@@ -137,14 +142,27 @@ def _metrics(members: tuple, targets: np.ndarray, quantile: float | None) -> dic
             *members, as_real_array(targets, "targets")
         ).items()
     }
-    if quantile is not None:  # split-conformal intervals of the as-trained members
-        lower, upper = uncertainty.conformal_interval(*members, quantile)
-        lower, upper = np.asarray(lower), np.asarray(upper)
-        inside = (targets >= lower) & (targets <= upper)
-        # A NaN bound (a NaN prediction) covers nothing and misses nothing:
-        # the share is NaN, as every other aggregate of such a set is.
-        unknown = np.isnan(lower).any() or np.isnan(upper).any()
-        values["coverage90_conformal"] = math.nan if unknown else float(np.mean(inside))
+    if conformal is not None:  # the conformal intervals of the as-trained members
+        quantile, margin = conformal
+        for name, (lower, upper) in (
+            ("conformal", uncertainty.conformal_interval(*members, quantile)),
+            (
+                "cqr",
+                uncertainty.conformal_mixture_interval(*members, margin, _LEVEL),
+            ),
+        ):
+            lower, upper = np.asarray(lower), np.asarray(upper)
+            inside = (targets >= lower) & (targets <= upper)
+            # A NaN bound (a NaN prediction) covers nothing and misses
+            # nothing: the share is NaN, as every other aggregate of such a
+            # set is.
+            unknown = np.isnan(lower).any() or np.isnan(upper).any()
+            values[f"coverage90_{name}"] = (
+                math.nan if unknown else float(np.mean(inside))
+            )
+            values[f"width90_{name}"] = (
+                math.nan if unknown else float(np.mean(upper - lower))
+            )
     return values
 
 
@@ -155,12 +173,19 @@ def _total(variance: jax.Array) -> np.ndarray:
 
 
 def _measure_sets(
-    predict: Callable, data: QualityData, quantile: float | None, ood: bool
+    predict: Callable,
+    data: QualityData,
+    conformal: tuple[float, float] | None,
+    ood: bool,
 ) -> dict[str, Any]:
-    """Every set's metrics for one predictor of ``(means, stds)``."""
+    """Every set's metrics for one predictor of ``(means, stds)``.
+
+    ``conformal``: the split-conformal quantile and the CQR margin, whose
+    intervals are measured too.
+    """
     members_in = predict(data.x_test)
     result: dict[str, Any] = {
-        "in_distribution": _metrics(members_in, data.y_test, quantile)
+        "in_distribution": _metrics(members_in, data.y_test, conformal)
     }
     pit = np.asarray(uncertainty.mixture_cdf(*members_in, data.y_test)).reshape(-1)
     # A NaN PIT value (a diverged prediction) is no share of any level: the
@@ -177,7 +202,7 @@ def _measure_sets(
             np.sqrt(np.mean(error**2))
         )
     result["shift"], result["shift_mean"] = over_shifts(
-        lambda x, y: _metrics(predict(x), y, quantile), data.shifted
+        lambda x, y: _metrics(predict(x), y, conformal), data.shifted
     )
     if ood:
         result["ood"] = _ood_scores(members_in, predict, data)
@@ -249,9 +274,11 @@ def evaluate_regression(
     The recalibrated figures are those of the mixture stretched about its
     mean by one factor ``s`` (:func:`ensembles.uncertainty.scale_std`), fitted
     by :func:`ensembles.uncertainty.fit_std_scale` on ``(x_valid, y_valid)``
-    alone; the split-conformal quantile of the normalised errors is fitted on
-    the same split (``coverage90_conformal``: the share of targets its
-    intervals hold).
+    alone; the split-conformal quantile of the normalised errors and the CQR
+    margin of the mixture's 90% interval are fitted on the same split
+    (``coverage90_conformal`` and ``coverage90_cqr``: the share of targets
+    their intervals hold; ``width90_conformal`` and ``width90_cqr``: their
+    mean widths).
 
     Args:
       trained: from :func:`~ensembles.benchmark.quality.methods.train_method`
@@ -267,15 +294,15 @@ def evaluate_regression(
       metric: value, ...}], "shift_mean": {...}, "ood": {set:
       {"auroc_total", "fpr95_total", "auroc_epistemic", "fpr95_epistemic"}},
       "std_scale": s, "std_scale_at_bound": bool, "conformal_quantile": q,
-      "diverged": bool, "pit_curve": [...], "recalibrated": {the same,
-      without "ood"}}`` (and ``"bands"``, the predictive on a grid, for
-      examples of one input: :func:`_bands`); the
-      metrics are :data:`REGRESSION_METRICS`, plus ``coverage90_conformal``
-      and, where the data know their noise, ``aleatoric_log_sd_rmse`` (the
-      RMSE of the log of the members' aleatoric standard deviation against
-      the true one's). ``diverged`` says the method predicted a NaN or
-      infinity on the validation set: its figures are then NaN, and the
-      other methods' stand.
+      "conformal_margin": m, "diverged": bool, "pit_curve": [...],
+      "recalibrated": {the same, without "ood"}}`` (and ``"bands"``, the
+      predictive on a grid, for examples of one input: :func:`_bands`); the
+      metrics are :data:`REGRESSION_METRICS`, plus the conformal intervals'
+      coverages and widths and, where the data know their noise,
+      ``aleatoric_log_sd_rmse`` (the RMSE of the log of the members'
+      aleatoric standard deviation against the true one's). ``diverged``
+      says the method predicted a NaN or infinity on the validation set:
+      its figures are then NaN, and the other methods' stand.
     """
 
     def predict_members(x: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -284,7 +311,7 @@ def evaluate_regression(
     predict = cached(predict_members)  # every calibration measures the same
     valid = predict(x_valid)
     diverged = not all(np.isfinite(np.asarray(a)).all() for a in valid)
-    std_scale = conformal = math.nan
+    std_scale = conformal = margin = math.nan
     if not diverged:
         with warnings.catch_warnings():  # reported as std_scale_at_bound
             warnings.filterwarnings("ignore", "fit_std_scale ended at", UserWarning)
@@ -296,12 +323,18 @@ def evaluate_regression(
         conformal = float(
             uncertainty.fit_conformal_quantile(*valid, np.asarray(y_valid), _LEVEL)
         )
-    result = _measure_sets(predict, data, None if diverged else conformal, ood=True)
+        margin = float(
+            uncertainty.fit_conformal_margin(*valid, np.asarray(y_valid), _LEVEL)
+        )
+    result = _measure_sets(
+        predict, data, None if diverged else (conformal, margin), ood=True
+    )
     result["diversity"] = diversity(predict, diversity_sets(data), regression=True)
     result.update(
         std_scale=std_scale,
         std_scale_at_bound=at_bound(std_scale, SCALE_BOUNDS),
         conformal_quantile=conformal,
+        conformal_margin=margin,
         diverged=diverged,
     )
     if diverged:

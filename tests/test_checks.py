@@ -555,3 +555,16 @@ def test_numpy_bfloat16_is_an_array_of_numbers():
     assert check_real(np.asarray(jnp.array(3, jnp.int4)), "x") == 3.0
     with pytest.raises(TypeError, match=r"`x` must be an array"):
         as_array(np.zeros(2, dtype=[("a", np.float32)]), "x")  # a record: no number
+
+
+def test_host_integers_beyond_32_bits_are_refused_not_wrapped():
+    """``jnp.asarray`` holds numpy int64 as int32 without x64: 3e9 became
+    -1294967296 (issue 67). Values that fit pass; the others are named."""
+    np.testing.assert_array_equal(
+        ensembles.tile(np.array([5, 7], np.int64), 2), [5, 7, 5, 7]
+    )
+    for big in (np.array([3_000_000_000, 5], np.int64), np.array([2**40], np.uint64)):
+        with pytest.raises(ValueError, match=r"`x` holds .*int64 integers beyond"):
+            ensembles.tile(big, 2)
+        with pytest.raises(ValueError, match=r"`y` holds .*astype\(np.float64\)"):
+            ensembles.untile(np.concatenate([big, big]), 2)

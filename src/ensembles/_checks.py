@@ -155,7 +155,39 @@ def as_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:
       ...
     TypeError: `logits` must be an array, got None: pass a jax.Array or a numpy array of numbers.
     """  # noqa: E501
-    return jnp.asarray(check_array(value, name, what=what))
+    value = check_array(value, name, what=what)
+    _check_fits_32_bits(value, name)
+    return jnp.asarray(value)
+
+
+def _check_fits_32_bits(value: Any, name: str) -> None:
+    """Raises for host integers that JAX would wrap to 32 bits without x64.
+
+    ``jnp.asarray`` of a numpy ``int64`` array holds it as int32 without
+    ``jax_enable_x64``, and 3,000,000,000 becomes -1,294,967,296 without a
+    word. Values that fit pass (token ids, labels); others are refused with
+    the fixes. Real targets take :func:`as_real_array`, which holds them as
+    floats instead.
+    """
+    if jax.config.jax_enable_x64 or isinstance(value, jax.Array):
+        return
+    if hasattr(value, "__jax_array__") or isinstance(value, bool | float | complex):
+        return
+    host = np.asarray(value)
+    if host.dtype.kind not in "iu" or host.dtype.itemsize <= 4 or not host.size:
+        return
+    info = np.iinfo(np.int32 if host.dtype.kind == "i" else np.uint32)
+    outside = (host < info.min) | (host > info.max)
+    if outside.any():
+        index = np.unravel_index(int(np.argmax(outside)), host.shape)
+        raise ValueError(
+            f"`{name}` holds {host.dtype} integers beyond {info.dtype.name} "
+            f"({name}[{', '.join(map(str, index))}] = {host[index]}), which JAX "
+            f"holds in 32 bits without jax_enable_x64 and would wrap around: "
+            f"pass them as floats (`{name}.astype(np.float64)`; the targets of "
+            f"a regression), or enable x64 (`jax.config.update('jax_enable_x64', "
+            f"True)`)."
+        )
 
 
 def as_real_array(value: Any, name: str, *, what: str = "an array") -> jax.Array:

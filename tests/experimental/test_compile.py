@@ -70,13 +70,17 @@ def dense_specs(dtype, batch, fan_in, fan_out):
     ]
 
 
-def grads(fn):
-    """The gradient of a scalar of ``fn`` w.r.t. every operand (its forward too)."""
+def grads(fn, first_layer=False):
+    """The gradient of a scalar of ``fn`` w.r.t. every operand (its forward too).
+
+    ``first_layer``: w.r.t. every operand but the inputs (a model's first layer).
+    """
 
     def loss(*args):
         return jnp.sum(fn(*args).astype(jnp.float32) ** 2)
 
-    return lambda *args: jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+    start = 1 if first_layer else 0
+    return lambda *args: jax.grad(loss, argnums=tuple(range(start, len(args))))(*args)
 
 
 class CNN(nnx.Module):
@@ -173,6 +177,14 @@ def kernel_parts(name):
                 )
             )
             parts.append((fn, dense_specs(dtype, size - 3, size - 5, size - 7), 3))
+            # A first layer: the kernel gradient forms dr; no input gradient.
+            first = grads(
+                lambda *a, blocks=blocks: batch_ensemble_dense(
+                    *a, num_members=E, impl="pallas", block_sizes=blocks
+                ),
+                first_layer=True,
+            )
+            parts.append((first, dense_specs(dtype, size - 3, size - 5, size - 7), 2))
     if name == "h100":  # the Hopper forward (bfloat16 only); its VJP is XLA's
 
         def hopper(*a):

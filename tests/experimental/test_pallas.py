@@ -129,23 +129,35 @@ def reference64(x, kernel, r, s, bias, num_members, cotangent):
     return np.concatenate(ys), grads
 
 
-def assert_matches_reference(fn, args, num_members, dtype):
-    """fn's outputs and all gradients against the float64 per-member loop."""
+def assert_matches_reference(fn, args, num_members, dtype, first_layer=False):
+    """fn's outputs and all gradients against the float64 per-member loop.
+
+    With ``first_layer``, the inputs carry no derivative (``fn`` is
+    differentiated w.r.t. its parameters only, as a model's first layer is):
+    the kernel, ``r``, ``s`` and bias gradients are checked.
+    """
     args = [a for a in args if a is not None]
     bias = args[4] if len(args) == 5 else None
+    x, params = args[0], args[1:]
 
     @jax.jit
-    def run(*args):
-        y, vjp = jax.vjp(fn, *args)
+    def run(x, *params):
+        if first_layer:
+            y, vjp = jax.vjp(lambda *p: fn(x, *p), *params)
+        else:
+            y, vjp = jax.vjp(fn, x, *params)
         cotangent = jax.random.normal(jax.random.key(0), y.shape, jnp.float32)
         return y, cotangent, vjp(cotangent.astype(y.dtype))
 
-    y, cotangent, grads = run(*args)
+    y, cotangent, grads = run(x, *params)
     y_ref, grads_ref = reference64(*args[:4], bias, num_members, cotangent)
+    names = GRAD_NAMES
+    if first_layer:
+        names, grads_ref = names[1:], grads_ref[1:]
     assert y.dtype == dtype and y.shape == y_ref.shape
     assert_close_to_scale(y, y_ref, dtype, err_msg="outputs")
     assert len(grads) == len(grads_ref)
-    for name, g, e in zip(GRAD_NAMES, grads, grads_ref, strict=False):
+    for name, g, e in zip(names, grads, grads_ref, strict=False):
         assert g.dtype == dtype and g.shape == e.shape, name
         assert_close_to_scale(g, e, dtype, err_msg=name)
 
@@ -252,6 +264,42 @@ def test_gpu_kernels_with_small_blocks(launches, case):
     assert len(launches) >= 3
 
 
+# A first layer (the inputs carry no derivative): no input-gradient kernel,
+# dr read off the kernel-gradient tiles; ragged on every axis, several blocks
+# along each, in both families and dtypes.
+FIRST_LAYER_CASES = [
+    ("gpu", (2, 20, (), 40, 37, jnp.float32, True)),
+    ("gpu", (3, 5, (2,), 33, 20, jnp.bfloat16, False)),
+    ("tpu", (2, 20, (), 140, 130, jnp.bfloat16, True)),
+]
+
+
+@pytest.mark.parametrize(
+    "family, case",
+    FIRST_LAYER_CASES,
+    ids=[f"{family}-{case_id(case)}" for family, case in FIRST_LAYER_CASES],
+)
+def test_first_layer_runs_no_input_gradient_kernel(launches, family, case):
+    num_members, batch, middle, fan_in, fan_out, dtype, bias = case
+    args = make_args(4, num_members, batch, middle, fan_in, fan_out, dtype, bias)
+
+    def fn(x, *rest):
+        y = fused_dense(
+            x.reshape(num_members * batch, *middle, fan_in),
+            *rest,
+            family=family,
+            block_sizes=SMALL_BLOCKS,
+        )
+        return y.reshape(-1, fan_out)
+
+    flat_args = (args[0].reshape(-1, fan_in), *args[1:])
+    assert_matches_reference(fn, flat_args, num_members, dtype, first_layer=True)
+    assert sorted(set(launches)) == [
+        "batch_ensemble_dense_dw",
+        "batch_ensemble_dense_fwd",
+    ]
+
+
 def test_preferred_element_type_float32_on_bfloat16():
     args = make_args(7, 2, 5, (), 9, 6, jnp.bfloat16)
     kwargs = {"num_members": 2, "preferred_element_type": jnp.float32}
@@ -297,6 +345,10 @@ def test_interpret_reaches_pallas_call():
     assert pallas_calls(fn, args) == [True]
     # Forward, dx/dr and dkernel/ds kernels: the backward pass is fused too.
     assert pallas_calls(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), args) == [True] * 3
+    # A first layer: forward and dkernel/ds/dr; no input gradient.
+    assert pallas_calls(jax.grad(loss, argnums=(1, 2, 3, 4)), args) == [True] * 2
+    # The inputs alone: forward and dx/dr; no kernel gradient.
+    assert pallas_calls(jax.grad(loss, argnums=0), args) == [True] * 2
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
@@ -378,9 +430,11 @@ def test_layers_switch_to_pallas_with_nnx_view():
     # The view really runs the kernel. Layers pass no `interpret`, so the op
     # goes through lax.platform_dependent (forward and backward), whose CPU
     # branch interprets the GPU kernels: one interpreted pallas_call per layer
-    # forward, three per layer under grad, beside the cuda and tpu branches'.
+    # forward, beside the cuda and tpu branches'. Under grad, the first layer
+    # (its inputs are data) runs the forward and kernel-gradient kernels, the
+    # second the input-gradient kernel too.
     assert pallas_calls(lambda x: fused(x), [x]).count(True) == 2
     graphdef, state = nnx.split(fused)
     grad_fn = lambda state, x: nnx.grad(loss)(nnx.merge(graphdef, state), x)  # noqa: E731
     interpreted = pallas_calls(grad_fn, [state, x])
-    assert interpreted.count(True) == 6 and len(interpreted) == 18
+    assert interpreted.count(True) == 5 and len(interpreted) == 15

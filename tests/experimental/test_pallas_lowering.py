@@ -76,4 +76,9 @@ def test_lowers_for_gpu_and_tpu(platform, shape, dtype, bias):
     )
     # The forward kernel plus the dx/dr and dkernel/ds kernels; nothing else.
     assert backward == [wanted] * 3
-    assert unwanted not in forward + backward
+    # A first layer: the forward and dkernel/ds/dr kernels; no dx/dr kernel.
+    first = custom_calls(
+        lowered_text(jax.grad(loss, argnums=argnums[1:]), args, platform)
+    )
+    assert first == [wanted] * 2
+    assert unwanted not in forward + backward + first

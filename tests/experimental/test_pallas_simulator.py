@@ -58,8 +58,11 @@ def _quiet_callbacks():
     logger.setLevel(level)
 
 
-def check_in_simulator(family, case, params=None, gradients=True):
-    """``family``'s output (and five gradients) in the simulator vs the float64 loop."""
+def check_in_simulator(family, case, params=None, gradients=True, first_layer=False):
+    """``family``'s output (and five gradients) in the simulator vs the float64 loop.
+
+    ``first_layer``: the inputs carry no derivative (four gradients).
+    """
     num_members, batch, middle, fan_in, fan_out, dtype, use_bias, blocks = case
     args = make_args(1, num_members, batch, middle, fan_in, fan_out, dtype, use_bias)
     params = simulator() if params is None else params
@@ -76,7 +79,7 @@ def check_in_simulator(family, case, params=None, gradients=True):
 
     flat = (args[0].reshape(-1, fan_in), *args[1:])
     if gradients:
-        assert_matches_reference(fn, flat, num_members, dtype)
+        assert_matches_reference(fn, flat, num_members, dtype, first_layer)
         return
     y = jax.jit(fn)(*flat)
     bias = flat[4] if use_bias else None
@@ -114,11 +117,17 @@ def test_each_family_in_the_simulator(family):
     check_in_simulator(family, QUICK[family])
 
 
+def test_a_first_layer_in_the_simulator():
+    # No input-gradient kernel: dr from the kernel-gradient tiles.
+    check_in_simulator("gpu", QUICK["gpu"], first_layer=True)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("layer", ["hidden", "first"])
 @pytest.mark.parametrize("case", SWEEP, ids=case_id)
 @pytest.mark.parametrize("family", ["gpu", "tpu"])
-def test_each_family_in_the_simulator_sweep(family, case):
-    check_in_simulator(family, case)
+def test_each_family_in_the_simulator_sweep(family, case, layer):
+    check_in_simulator(family, case, first_layer=layer == "first")
 
 
 @pytest.mark.slow
@@ -139,3 +148,5 @@ def test_the_simulator_reaches_every_pallas_call():
     for family in ("gpu", "tpu", None):  # None: the TPU kernels, as before
         grad = jax.grad(lambda *a, f=family: loss(*a, family=f), argnums=range(5))
         assert pallas_calls(grad, args) == [params] * 3, family
+        first = jax.grad(lambda *a, f=family: loss(*a, family=f), argnums=(1, 2, 3))
+        assert pallas_calls(first, args) == [params] * 2, family

@@ -26,8 +26,9 @@ Modules, one concern each:
 * :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), run by
   ``fused_dense(..., family="hopper")``; no platform picks it until it is
   measured on a GPU.
-* :mod:`.fused`: dtype checks, the per-platform family choice, padding and
-  slicing, and the ``jax.custom_vjp``.
+* :mod:`.checks`: the dtype and interpreter checks.
+* :mod:`.fused`: the per-platform family choice, padding and slicing, and
+  the ``jax.custom_vjp``.
 
 Nothing runs these kernels unless ``impl="pallas"`` names them (``import
 ensembles`` does not even import this package): they become a default only
@@ -37,13 +38,8 @@ is a new module with ``forward`` and ``backward``, registered in
 """
 
 from ensembles.experimental.pallas.blocks import BlockSizes
-from ensembles.experimental.pallas.fused import (
-    FAMILIES,
-    SUPPORTED_DTYPES,
-    check_dtypes,
-    dense_reference,
-    fused_dense,
-)
+from ensembles.experimental.pallas.checks import SUPPORTED_DTYPES, check_dtypes
+from ensembles.experimental.pallas.fused import FAMILIES, dense_reference, fused_dense
 
 __all__ = [
     "FAMILIES",

@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["NN", "NT", "TN", "KernelConfig", "dot"]
+__all__ = ["NN", "NT", "TN", "KernelConfig", "Wanted", "dot"]
 
 NN = ((1,), (0,))  # a @ b
 NT = ((1,), (1,))  # a @ b.T
@@ -34,6 +34,23 @@ class KernelConfig:
     out_dtype: Any
     interpret: Any
     float32_matmul: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """Which gradients one backward pass forms (static: read off the VJP's inputs).
+
+    Attributes:
+      inputs: ``dx``: the inputs carry a derivative (a hidden layer). Without
+        it (a first layer) no input-gradient matmul runs: ``dr`` is formed from
+        the per-member kernel-gradient tiles the kernel-gradient kernel reduces
+        on chip anyway, ``dr_k[i] = sum_j W[i, j] s_k[j] M_k[i, j]`` with
+        ``M_k = x_k^T g_k``, and no ``dx`` is written.
+      params: ``dkernel``, ``dr`` and ``ds`` (the kernel-gradient kernel).
+    """
+
+    inputs: bool = True
+    params: bool = True
 
 
 def dot(a, b, contract, precision, float32_operands=False):

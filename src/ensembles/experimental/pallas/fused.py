@@ -1,4 +1,4 @@
-"""The fused op: dtype checks, padding, per-platform family choice, custom VJP.
+"""The fused op: padding, per-platform family choice, custom VJP.
 
 ``lax.platform_dependent`` picks, when lowering, one kernel family:
 
@@ -19,7 +19,11 @@ Every family runs on operands zero-padded to its :class:`~.blocks.Tiling`
 outside an array. The VJP keeps only the operands ``(x, kernel, r, s)`` as
 residuals: one kernel computes ``dx`` and per-row-block partials of ``dr``,
 another ``dkernel`` and per-in-block partials of ``ds``; ``dbias`` is a sum of
-the cotangent over each member's rows.
+the cotangent over each member's rows. Where the inputs carry no derivative
+(a first layer: the VJP is defined with ``symbolic_zeros``, so its forward
+rule sees which operands are perturbed), the input-gradient kernel does not
+run and the kernel-gradient kernel forms ``dr`` from the per-member tiles it
+reduces (:class:`~.common.Wanted`).
 """
 
 from __future__ import annotations
@@ -31,24 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ensembles.experimental.pallas import budget, mosaic_gpu, mosaic_tpu, triton
 from ensembles.experimental.pallas.blocks import BlockSizes, pad_to, tiling
-from ensembles.experimental.pallas.common import KernelConfig
+from ensembles.experimental.pallas.checks import check_dtypes, check_interpret
+from ensembles.experimental.pallas.common import KernelConfig, Wanted
 
-__all__ = [
-    "FAMILIES",
-    "SUPPORTED_DTYPES",
-    "check_dtypes",
-    "dense_reference",
-    "fused_dense",
-]
-
-#: The dtypes the fused kernel computes in (inputs and parameters alike).
-SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (
-    jnp.dtype(jnp.float32),
-    jnp.dtype(jnp.bfloat16),
-)
+__all__ = ["FAMILIES", "dense_reference", "fused_dense"]
 
 _FAMILIES = {"gpu": triton, "tpu": mosaic_tpu}
 
@@ -56,58 +50,6 @@ _FAMILIES = {"gpu": triton, "tpu": mosaic_tpu}
 #: (``family=``): ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU), ``"hopper"``
 #: (Mosaic GPU, forward only). ``None`` picks the platform's.
 FAMILIES: tuple[str, ...] = ("gpu", "tpu", "hopper")
-
-
-def check_dtypes(inputs, kernel, r, s, bias=None, preferred_element_type=None):
-    """Checks that the fused kernel supports the dtypes of its operands.
-
-    Args:
-      inputs: the activations.
-      kernel: the shared kernel.
-      r: the input fast weights.
-      s: the output fast weights.
-      bias: the per-member bias, or ``None``.
-      preferred_element_type: the requested output dtype, or ``None``.
-
-    Returns:
-      The common dtype of the operands.
-
-    Raises:
-      TypeError: if the operands do not share one dtype, if that dtype is not in
-        :data:`SUPPORTED_DTYPES`, or if ``preferred_element_type`` is neither
-        ``None``, float32 nor the operands' dtype.
-
-    >>> import jax.numpy as jnp
-    >>> x = jnp.ones((2, 3), jnp.bfloat16)
-    >>> check_dtypes(x, x, x, x)
-    dtype(bfloat16)
-    """
-    named = {"inputs": inputs, "kernel": kernel, "r": r, "s": s}
-    if bias is not None:
-        named["bias"] = bias
-    dtypes = {name: jnp.dtype(array.dtype) for name, array in named.items()}
-    dtype = dtypes["inputs"]
-    if len(set(dtypes.values())) > 1:
-        shown = ", ".join(f"{name}={d.name}" for name, d in dtypes.items())
-        raise TypeError(
-            f'impl="pallas" needs inputs, kernel, r, s and bias of one dtype, got '
-            f"{shown}. Cast them to one dtype first (the layers do this through "
-            f"`promote_dtype`)."
-        )
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f'impl="pallas" supports dtypes '
-            f"{[d.name for d in SUPPORTED_DTYPES]}, got {dtype.name}. Cast to "
-            f'one of them or use impl="xla".'
-        )
-    if preferred_element_type is not None:
-        preferred = jnp.dtype(preferred_element_type)
-        if preferred not in (jnp.dtype(jnp.float32), dtype):
-            raise TypeError(
-                f'impl="pallas" supports `preferred_element_type` None, float32 or '
-                f"the operands' dtype ({dtype.name}), got {preferred.name}."
-            )
-    return dtype
 
 
 def dense_reference(x3, kernel, r, s, bias=None, *, precision=None, out_dtype=None):
@@ -206,19 +148,30 @@ def _family_forward(family, x3, w, r, s, bias, config, interpret):
     return y3[:, :rows, :out_features]
 
 
-def _family_backward(family, x3, w, r, s, g3, config, interpret):
+def _sliced(array, *extents):
+    """``array[:e0, :e1, ...]`` over its last axes, or ``None``."""
+    if array is None:
+        return None
+    return array[(..., *(slice(None, e) for e in extents))]
+
+
+def _family_backward(family, x3, w, r, s, g3, config, interpret, wanted):
     num_members, rows, in_features = x3.shape
     out_features = w.shape[1]
     t = _tiling(family, x3, w, config)
     g3 = pad_to(g3, (num_members, t.rows, t.out_features))
     dx3, dw, dr, ds = _FAMILIES[family].backward(
-        *_pad_operands(t, x3, w, r, s), g3, t, config.kernel_config(interpret)
+        *_pad_operands(t, x3, w, r, s),
+        g3,
+        t,
+        config.kernel_config(interpret),
+        wanted,
     )
     return (
-        dx3[:, :rows, :in_features],
-        dw[:in_features, :out_features],
-        dr[:, :in_features],
-        ds[:, :out_features],
+        _sliced(dx3, rows, in_features),
+        _sliced(dw, in_features, out_features),
+        _sliced(dr, in_features),
+        _sliced(ds, out_features),
     )
 
 
@@ -228,13 +181,28 @@ def _reference_forward(x3, w, r, s, bias, config):
     )
 
 
-def _reference_backward(x3, w, r, s, g3, config):
+def _reference_backward(x3, w, r, s, g3, config, wanted):
+    """JAX's derivative of the reference, for the gradients ``wanted`` only."""
+    if not (wanted.inputs or wanted.params):
+        return None, None, None, None
+
     def forward(x3, w, r, s):
         return _reference_forward(x3, w, r, s, None, config)
 
-    _, vjp = jax.vjp(forward, x3, w, r, s)
-    dx3, dw, dr, ds = vjp(g3.astype(config.out_dtype))
-    return dx3, dw, dr.astype(jnp.float32), ds.astype(jnp.float32)
+    g3 = g3.astype(config.out_dtype)
+    dx3 = dw = dr = ds = None
+    if wanted.inputs and wanted.params:
+        _, vjp = jax.vjp(forward, x3, w, r, s)
+        dx3, dw, dr, ds = vjp(g3)
+    elif wanted.inputs:
+        _, vjp = jax.vjp(lambda x3: forward(x3, w, r, s), x3)
+        (dx3,) = vjp(g3)
+    else:  # a first layer: JAX's derivative forms no dx
+        _, vjp = jax.vjp(lambda w, r, s: forward(x3, w, r, s), w, r, s)
+        dw, dr, ds = vjp(g3)
+    if wanted.params:
+        dr, ds = dr.astype(jnp.float32), ds.astype(jnp.float32)
+    return dx3, dw, dr, ds
 
 
 def _dispatch(config: FusedConfig, run_family, reference, *args):
@@ -258,38 +226,6 @@ def _dispatch(config: FusedConfig, run_family, reference, *args):
         cuda=lambda *a: run_family("gpu", *a, config, False),
         tpu=lambda *a: run_family("tpu", *a, config, False),
         default=lambda *a: reference(*a, config),
-    )
-
-
-def _check_interpret(interpret, family):
-    """A TypeError unless ``interpret`` is one the kernel ``family`` runs in."""
-    if isinstance(interpret, bool):
-        return
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas import tpu as pltpu
-
-    gpu_params = getattr(plgpu, "InterpretGPUParams", None)
-    if isinstance(interpret, pltpu.InterpretParams) and family != "hopper":
-        return
-    if gpu_params is not None and isinstance(interpret, gpu_params):
-        if family == "hopper":
-            return
-        raise TypeError(
-            f"`interpret` {interpret!r} configures jax's Mosaic GPU interpreter, "
-            f'which runs family="hopper" only; family={family!r} runs in the TPU '
-            f"simulator: pass a `jax.experimental.pallas.tpu.InterpretParams`."
-        )
-    if family == "hopper":
-        raise TypeError(
-            f'family="hopper" runs in jax\'s Mosaic GPU interpreter: `interpret` '
-            f"must be a bool or a `jax.experimental.pallas.mosaic_gpu."
-            f"InterpretGPUParams` (jax >= 0.12), got {interpret!r} of type "
-            f"{type(interpret).__name__}."
-        )
-    raise TypeError(
-        f"`interpret` must be a bool or a "
-        f"`jax.experimental.pallas.tpu.InterpretParams`, got {interpret!r} "
-        f"of type {type(interpret).__name__}."
     )
 
 
@@ -329,24 +265,58 @@ def _fused(x3, w, r, s, bias, config: FusedConfig):
     return _forward(x3, w, r, s, bias, config)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["operands"],
+    meta_fields=["wanted", "bias_wanted"],
+)
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+    """The VJP's residuals: the operands, and which gradients are wanted."""
+
+    operands: tuple  # (x3, kernel, r, s): no activation-sized intermediate
+    wanted: Wanted
+    bias_wanted: bool
+
+
 def _fused_fwd(x3, w, r, s, bias, config: FusedConfig):
-    # Residuals: the operands only (check_dtypes made every operand share x3's
-    # dtype); no activation-sized intermediate is kept.
-    return _forward(x3, w, r, s, bias, config), (x3, w, r, s)
-
-
-def _fused_bwd(config: FusedConfig, residuals, g3):
-    x3, w, r, s = residuals
-    dx3, dw, dr, ds = _dispatch(
-        config, _family_backward, _reference_backward, x3, w, r, s, g3
+    # symbolic_zeros: each operand arrives as a CustomVJPPrimal, whose
+    # `perturbed` says whether it carries a derivative. Inputs that do not
+    # (a first layer) need no input gradient, so its kernel does not run;
+    # the xla path asks the same of its tangents (ops/dense_batched.py).
+    wanted = Wanted(
+        inputs=x3.perturbed, params=w.perturbed or r.perturbed or s.perturbed
     )
+    operands = (x3.value, w.value, r.value, s.value)
+    bias_value = None if bias is None else bias.value
+    residuals = _Residuals(
+        operands, wanted, bias_wanted=bias is not None and bias.perturbed
+    )
+    return _forward(*operands, bias_value, config), residuals
+
+
+def _fused_bwd(config: FusedConfig, residuals: _Residuals, g3):
+    if type(g3) is SymbolicZero:  # the output carries no cotangent
+        return None, None, None, None, None
+    x3, w, r, s = residuals.operands
+    wanted = residuals.wanted
+
+    def family_backward(family, x3, w, r, s, g3, config, interpret):
+        return _family_backward(family, x3, w, r, s, g3, config, interpret, wanted)
+
+    def reference(x3, w, r, s, g3, config):
+        return _reference_backward(x3, w, r, s, g3, config, wanted)
+
+    dx3, dw, dr, ds = _dispatch(config, family_backward, reference, x3, w, r, s, g3)
     dbias = None
-    if config.has_bias:
+    if residuals.bias_wanted:
         dbias = jnp.sum(g3.astype(jnp.float32), axis=1).astype(x3.dtype)
-    return dx3, dw, dr.astype(r.dtype), ds.astype(s.dtype), dbias
+    if dr is not None:
+        dr, ds = dr.astype(r.dtype), ds.astype(s.dtype)
+    return dx3, dw, dr, ds, dbias
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def fused_dense(
@@ -425,7 +395,7 @@ def fused_dense(
         raise ValueError(
             f"`family` must be None or one of {list(FAMILIES)}, got {family!r}."
         )
-    _check_interpret(interpret, family)
+    check_interpret(interpret, family)
     dtype = check_dtypes(inputs, kernel, r, s, bias, preferred_element_type)
     if family == "hopper":
         mosaic_gpu.check_dtype(dtype)

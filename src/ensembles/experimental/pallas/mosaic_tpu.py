@@ -18,7 +18,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ensembles.experimental.pallas.blocks import Tiling, exact_block_spec, num_blocks
-from ensembles.experimental.pallas.common import NN, NT, TN, KernelConfig, dot
+from ensembles.experimental.pallas.common import (
+    NN,
+    NT,
+    TN,
+    KernelConfig,
+    Wanted,
+    dot,
+)
 
 __all__ = ["backward", "forward"]
 
@@ -159,16 +166,19 @@ def _dw_kernel(
     w_ref,
     dw_ref,
     ds_ref,
-    dw_acc_ref,
-    grad_acc_ref,
-    *,
+    *rest,
     precision,
     float32,
 ):
     # Grid (in block, out block, member, row block); the last two are
     # "arbitrary": dW accumulates over members, G_k over a member's row blocks.
+    # A hidden layer: r_ref (1, bm) scales x as it loads. A first layer (a
+    # dr_ref (bm, 1) among the outputs: this out block's partial dr): the
+    # unscaled M_k = x_k^T g_k accumulates, r_ref (bm, 1) scales its rows.
     # Program ids are read at the top level: the interpreter cannot discharge
     # them inside a pl.when body.
+    *dr_refs, dw_acc_ref, grad_acc_ref = rest
+    dr_ref = dr_refs[0] if dr_refs else None
     member, i = pl.program_id(2), pl.program_id(3)
     last_member = member == pl.num_programs(2) - 1
     last_row_block = i == pl.num_programs(3) - 1
@@ -181,54 +191,71 @@ def _dw_kernel(
     def _init_grad():
         grad_acc_ref[...] = jnp.zeros_like(grad_acc_ref)
 
-    x = (x_ref[...] * r_ref[...]).astype(x_ref.dtype)
+    x = x_ref[...]
+    if dr_ref is None:
+        x = (x * r_ref[...]).astype(x_ref.dtype)
     grad_acc_ref[...] += dot(x, g_ref[...], TN, precision, float32)
 
     @pl.when(last_row_block)
     def _member_done():
         grad = grad_acc_ref[...]
-        ds_ref[...] = jnp.sum(
-            w_ref[...].astype(jnp.float32) * grad, axis=0, keepdims=True
-        )
-        dw_acc_ref[...] += grad * s_ref[...].astype(jnp.float32)
+        w = w_ref[...].astype(jnp.float32)
+        s = s_ref[...].astype(jnp.float32)
+        if dr_ref is not None:
+            dr_ref[...] = jnp.sum(w * grad * s, axis=1, keepdims=True)
+            grad = grad * r_ref[...].astype(jnp.float32)
+        ds_ref[...] = jnp.sum(w * grad, axis=0, keepdims=True)
+        dw_acc_ref[...] += grad * s
 
     @pl.when(last_member & last_row_block)
     def _store():
         dw_ref[...] = dw_acc_ref[...].astype(dw_ref.dtype)
 
 
-def _kernel_grad(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig):
+def _kernel_grad(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig, with_dr):
+    """``(dW, ds, dr)``; ``dr`` (``None`` unless ``with_dr``) from the same tiles."""
     num_members, rows, in_features = x3.shape
     out_features = w.shape[1]
     blocks = tiling.kernel_grad
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     num_in_blocks = num_blocks(in_features, bm)
+    num_out_blocks = num_blocks(out_features, bn)
     ds_shape = (num_in_blocks, num_members, 1, out_features)
-    dw, ds_parts = pl.pallas_call(
+    dr_shape = (num_out_blocks, num_members, in_features, 1)
+    if with_dr:  # r as a column: it scales the rows of each member's tile
+        r3 = r3.reshape(num_members, in_features, 1)
+        r_spec = exact_block_spec(r3.shape, (None, bm, 1), lambda i, j, e, k: (e, i, 0))
+    else:
+        r_spec = exact_block_spec(r3.shape, (None, 1, bm), lambda i, j, e, k: (e, 0, i))
+    out_shape = [
+        jax.ShapeDtypeStruct(w.shape, w.dtype),
+        jax.ShapeDtypeStruct(ds_shape, jnp.float32),
+    ]
+    out_specs = [
+        exact_block_spec(w.shape, (bm, bn), lambda i, j, e, k: (i, j)),
+        exact_block_spec(
+            ds_shape, (None, None, 1, bn), lambda i, j, e, k: (i, e, 0, j)
+        ),
+    ]
+    if with_dr:
+        out_shape.append(jax.ShapeDtypeStruct(dr_shape, jnp.float32))
+        out_specs.append(
+            exact_block_spec(
+                dr_shape, (None, None, bm, 1), lambda i, j, e, k: (j, e, i, 0)
+            )
+        )
+    dw, ds_parts, *dr_parts = pl.pallas_call(
         functools.partial(_dw_kernel, **_matmul_options(config)),
-        out_shape=(
-            jax.ShapeDtypeStruct(w.shape, w.dtype),
-            jax.ShapeDtypeStruct(ds_shape, jnp.float32),
-        ),
-        grid=(
-            num_in_blocks,
-            num_blocks(out_features, bn),
-            num_members,
-            num_blocks(rows, bk),
-        ),
+        out_shape=tuple(out_shape),
+        grid=(num_in_blocks, num_out_blocks, num_members, num_blocks(rows, bk)),
         in_specs=[
             exact_block_spec(x3.shape, (None, bk, bm), lambda i, j, e, k: (e, k, i)),
             exact_block_spec(g3.shape, (None, bk, bn), lambda i, j, e, k: (e, k, j)),
-            exact_block_spec(r3.shape, (None, 1, bm), lambda i, j, e, k: (e, 0, i)),
+            r_spec,
             exact_block_spec(s3.shape, (None, 1, bn), lambda i, j, e, k: (e, 0, j)),
             exact_block_spec(w.shape, (bm, bn), lambda i, j, e, k: (i, j)),
         ],
-        out_specs=(
-            exact_block_spec(w.shape, (bm, bn), lambda i, j, e, k: (i, j)),
-            exact_block_spec(
-                ds_shape, (None, None, 1, bn), lambda i, j, e, k: (i, e, 0, j)
-            ),
-        ),
+        out_specs=tuple(out_specs),
         scratch_shapes=[
             pltpu.VMEM((bm, bn), jnp.float32),
             pltpu.VMEM((bm, bn), jnp.float32),
@@ -237,11 +264,25 @@ def _kernel_grad(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig):
         interpret=config.interpret,
         name="batch_ensemble_dense_dw",
     )(x3, g3, r3, s3, w)
-    return dw, jnp.sum(ds_parts, axis=(0, 2))
+    dr = jnp.sum(dr_parts[0], axis=(0, 3)) if with_dr else None
+    return dw, jnp.sum(ds_parts, axis=(0, 2)), dr
 
 
-def backward(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig):
-    """``(dx3, dW, dr, ds)`` on padded operands; ``dr``, ``ds`` in float32."""
-    dx3, dr = _input_grad(x3, w, r3, s3, g3, tiling, config)
-    dw, ds = _kernel_grad(x3, w, r3, s3, g3, tiling, config)
+def backward(x3, w, r3, s3, g3, tiling: Tiling, config: KernelConfig, wanted: Wanted):
+    """``(dx3, dW, dr, ds)`` on padded operands; ``dr``, ``ds`` in float32.
+
+    As :func:`ensembles.experimental.pallas.triton.backward`: a gradient not
+    ``wanted`` is ``None``; a first layer runs no input-gradient kernel and
+    reads ``dr`` off the kernel-gradient tiles.
+    """
+    dx3 = dw = dr = ds = None
+    if wanted.inputs:
+        dx3, dr = _input_grad(x3, w, r3, s3, g3, tiling, config)
+    if wanted.params:
+        dw, ds, tiles_dr = _kernel_grad(
+            x3, w, r3, s3, g3, tiling, config, with_dr=not wanted.inputs
+        )
+        dr = dr if wanted.inputs else tiles_dr
+    else:
+        dr = None
     return dx3, dw, dr, ds

@@ -29,6 +29,7 @@ import pytest
 from ensembles import uncertainty
 from ensembles.benchmark import QualityData
 from ensembles.benchmark.quality.calibration import CALIBRATIONS
+from ensembles.benchmark.quality.classification.scores import evaluate
 from ensembles.benchmark.quality.methods import Trained
 from ensembles.benchmark.quality.regression.scores import (
     TargetScale,
@@ -249,6 +250,30 @@ def test_nan_predictions_on_the_test_inputs_give_nan_figures():
     assert all(math.isnan(v) for v in result["recalibrated"]["pit_curve"])
     for calibrated in result["calibrations"].values():
         assert all(math.isnan(v) for v in calibrated["in_distribution"].values())
+
+
+@pytest.mark.slow  # a classifier's whole evaluation: about 8 CPU-seconds
+def test_a_classifier_nan_on_the_noisy_copies_gets_nan_calibrations():
+    """The classifier's calibrations alike: NaN logits off the grid."""
+    x = (np.arange(40) % 8 / 4).astype(np.float32)[:, None]
+    y = np.arange(40) % 2
+
+    def predict(x):
+        x = jnp.asarray(x)
+        logits = jnp.stack([x, -x], axis=-1)  # [N, 1, 2]
+        logits = jnp.stack([logits[:, 0], 0.5 * logits[:, 0]])  # [E, N, C]
+        off_grid = 4 * x[:, 0] != jnp.round(4 * x[:, 0])
+        return jnp.where(off_grid[None, :, None], jnp.nan, logits)
+
+    data = QualityData(x, y, x, y, shifted={1: {"noise": (x, y)}}, ood={})
+    trained = Trained("batchensemble", predict, params=1, train_s=0.0)
+    result = evaluate(trained, data, x_valid=x, y_valid=y)
+    assert not result["diverged"] and math.isfinite(result["temperature"])
+    for name in ("pooled_noisy", "members_noisy", "members_noisy_pooled"):
+        calibrated = result["calibrations"][name]
+        assert math.isnan(calibrated["temperature"]), name
+        assert all(math.isnan(v) for v in calibrated["in_distribution"].values())
+    assert math.isfinite(result["calibrations"]["members"]["temperature"])
 
 
 # --- 3. targets that no conversion may wrap ------------------------------------------

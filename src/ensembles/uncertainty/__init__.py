@@ -31,9 +31,18 @@ predictive; :func:`ece`, :func:`adaptive_ece` (equal-mass bins) and :func:`mce`
 (the worst bin) its calibration; :func:`aurc` and :func:`augrc` its selective
 prediction, the risk of answering only the most confident examples.
 :func:`fit_temperature` and :func:`scale_temperature` recalibrate the
-predictive with one temperature fitted on held-out examples. Where
-confidences tie, the sort-based metrics average over the orders of the tie, so
-no result depends on the order of the batch.
+predictive with one temperature fitted on held-out examples;
+:func:`fit_vector_scaling`, :func:`fit_dirichlet_scaling` and
+:func:`fit_isotonic` (with their ``apply_`` twins) go beyond it, of the
+pooled predictive or of each member. :func:`fit_conformal_threshold` and
+:func:`conformal_sets` give split-conformal prediction sets (LAC, APS,
+RAPS), :func:`set_size` and :func:`set_coverage` measure them. Beside the
+entropies, :func:`max_probability_score`, :func:`margin_score`,
+:func:`max_logit_score` and :func:`energy_score` score each example for
+out-of-distribution detection (higher is less sure), and :func:`aurc` and
+:func:`augrc` rank by any of them with ``scores=``. Where confidences tie,
+the sort-based metrics average over the orders of the tie, so no result
+depends on the order of the batch.
 
 Everything is computed in log space (``log_softmax``, ``logsumexp`` over members
 minus ``log E``) in at least float32, so bf16 logits and logits of +-1e4 give

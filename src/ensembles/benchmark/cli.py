@@ -36,6 +36,7 @@ from ensembles.benchmark.cli_options import (
     add_quality_options,
     add_speed_options,
 )
+from ensembles.benchmark.cost.compiled.chips import start_compilers
 from ensembles.benchmark.cost.compiled.report import (
     format_comparisons,
     run_comparisons,
@@ -293,6 +294,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before JAX runs anything (counting the processes starts it).
         reused = not args.default_malloc and reuse_freed_memory()
         args.malloc_keeps_freed_memory = reused  # in the JSON's config
+    if args.compiled_for is not None:
+        # First: the chips' compilers print their start-up on native stderr
+        # when the backends start (start_compilers keeps it off the output).
+        try:
+            start_compilers(args.compiled_for, args.mesh)
+        except (RuntimeError, ValueError) as error:
+            print(f"ensembles-bench: error: {error}", file=sys.stderr)
+            return 2
     with _one_report(args):
         if args.quality:
             return _main_quality(args, describe_device(), start)

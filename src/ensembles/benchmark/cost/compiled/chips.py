@@ -20,9 +20,14 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import math
+import os
+import re
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,7 +43,17 @@ __all__ = [
     "chip_mesh",
     "compile_for",
     "platform_of",
+    "start_compilers",
 ]
+
+# What the chips' compilers print when they start on a machine without the
+# chip (the CUDA plugin's stub, libtpu's search for a TPU host), straight to
+# the process's stderr from native code: expected, and nothing to act on.
+_START_UP_NOISE = re.compile(
+    r"cudart_stub\.cc|Could not find cuda drivers|absl::InitializeLog|"
+    r"Logging before InitGoogle|TPU_ACCELERATOR_TYPE|TPU_WORKER_HOSTNAMES|"
+    r"host bounds for accelerator|=== Source Location Trace|libtpu_init_utils"
+)
 
 #: The smallest slice of each TPU that libtpu describes (a 1x1 v5e is refused).
 TPU_TOPOLOGIES: dict[str, str] = {
@@ -189,6 +204,59 @@ def chip_mesh(chip: str, axes: Mapping[str, int] | None = None) -> Mesh | None:
         tuple(axes),
         axis_types=(AxisType.Auto,) * len(shape),
     )
+
+
+@contextlib.contextmanager
+def _without_start_up_noise():
+    """Native writes to stderr in the block, less the compilers' start-up lines.
+
+    Captured at the file descriptor (the plugins write there from C++, not
+    through ``sys.stderr``) and written back when the block ends, every line
+    but :data:`_START_UP_NOISE`'s: an error of the compilers' own still shows.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [
+                line
+                for line in text.splitlines(keepends=True)
+                if not _START_UP_NOISE.search(line)
+            ]
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def start_compilers(
+    chips: Sequence[str], mesh: Mapping[str, int] | None = None
+) -> None:
+    """Starts each chip's compiler once, its start-up lines kept off stderr.
+
+    On a machine without the chips, the CUDA plugin and libtpu print about a
+    dozen lines when they start (no CUDA driver, no TPU host found), from
+    native code, even under ``JAX_PLATFORMS=cpu``: expected, and nothing to
+    act on. ``ensembles-bench --compiled-for`` starts them here first, so
+    that its output is its own; any other line they print still shows.
+
+    Args:
+      chips: names of :data:`CHIPS`.
+      mesh: the mesh each will be compiled for (:func:`chip_mesh`).
+
+    Raises:
+      As :func:`chip_mesh`.
+    """
+    with _without_start_up_noise():
+        jax.devices()  # the plugins load with the backends
+        for chip in chips:
+            chip_mesh(chip, mesh)
 
 
 def compile_for(

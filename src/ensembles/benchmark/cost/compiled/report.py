@@ -13,6 +13,7 @@ import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ensembles.benchmark.cost.compiled import chips as chips_module
 from ensembles.benchmark.cost.compiled.hlo import Kernel
 from ensembles.benchmark.cost.compiled.programs import (
     Comparison,
@@ -85,6 +86,7 @@ def run_comparisons(
     Returns:
       The :class:`~ensembles.benchmark.cost.compiled.programs.Comparison` of each.
     """
+    chips_module.start_compilers(chips, mesh)
     rows = []
     for chip in chips:
         for model in models:

@@ -282,6 +282,10 @@ def test_the_report_lists_extra_kernels_by_their_model_line():
     text = format_comparisons([row], limit=8)
     for line in (52, 53, 54):
         assert f"at make_fixtures.py:{line} (Block.__call__) via ensembles/ops/" in text
+    callers = {k["caller"] for k in row.as_dict()["extra_kernels"] if k["caller"]}
+    assert {c.rsplit(":", 1)[0].rsplit("/", 1)[-1] for c in callers} == {
+        "make_fixtures.py"
+    }
 
 
 def test_stack_frames_printed_either_way():

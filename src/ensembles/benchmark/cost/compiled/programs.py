@@ -254,6 +254,7 @@ class Comparison:
                     "trips": k.trips,
                     "hbm_bytes": k.hbm_bytes,
                     "source": k.source,
+                    "caller": k.caller,
                 }
                 for k in self.extra_kernels()
             ],

@@ -144,7 +144,7 @@ SCRIPT = textwrap.dedent(
 
 
     def one_device_formulation():
-        return mock.patch.object(groups, "row_shards", lambda inputs: 1)
+        return mock.patch.object(groups, "row_shards", lambda inputs: None)
 
 
     start = time.perf_counter()
@@ -191,6 +191,27 @@ SCRIPT = textwrap.dedent(
         out["no_mesh_is_one_device"] = unforced == no_mesh_program()
     with jax.set_mesh(data):
         out["mesh_is_grouped"] = unforced != no_mesh_program()
+
+    # Tokens split over an explicit mesh, rows whole: the op keeps the token
+    # axis apart (a reshape merging it into the rows is refused there).
+    tokens = jax.make_mesh((8,), ("seq",), axis_types=explicit)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 16, 5)), jnp.float32)
+    kernel = jnp.asarray(np.random.default_rng(2).standard_normal((5, 4)), jnp.float32)
+    r, s = jnp.full((2, 5), 1.5), jnp.full((2, 4), 0.5)
+
+    def dense_loss(x, kernel):
+        y = ensembles.ops.batch_ensemble_dense(x, kernel, r, s, num_members=2)
+        return jnp.sum(jnp.sin(y))
+
+    expected = jax.jit(jax.value_and_grad(dense_loss, (0, 1)))(x, kernel)
+    with jax.set_mesh(tokens):
+        placed = jax.device_put(x, NamedSharding(tokens, P(None, "seq", None)))
+        found = jax.jit(jax.value_and_grad(dense_loss, (0, 1)))(placed, kernel)
+    out["explicit_tokens_error"] = max(  # relative to each result's scale
+        float(jnp.max(jnp.abs(jnp.asarray(a) - jnp.asarray(b))))
+        / (1.0 + float(jnp.max(jnp.abs(jnp.asarray(b)))))
+        for a, b in zip(jax.tree.leaves(found), jax.tree.leaves(expected))
+    )
     out["seconds"] = time.perf_counter() - start
     print("RESULT " + json.dumps(out))
     """
@@ -437,6 +458,11 @@ def test_member_groups():
 
 
 @pytest.mark.slow
+def test_tokens_over_an_explicit_mesh_keep_their_axis(sharded_runs):
+    assert sharded_runs["explicit_tokens_error"] < 1e-5
+
+
+@pytest.mark.slow
 def test_no_mesh_on_eight_devices_is_one_device_program(sharded_runs):
     assert sharded_runs["no_mesh_is_one_device"] is True
     assert sharded_runs["mesh_is_grouped"] is True  # the control
@@ -449,7 +475,7 @@ def test_a_program_with_no_mesh_is_one_device_program():
     jax.jit(lambda x: seen.append(groups_module.row_shards(x)) or x).trace(
         jnp.ones((4, 3))
     )
-    assert seen == [1]
+    assert seen == [None]
 
 
 @pytest.mark.parametrize("op", ["dense", "conv", "conv_transpose"])
@@ -481,4 +507,4 @@ def test_sharded_rows_are_viewed_as_groups(op, monkeypatch):
         }
 
     assert (6, 2) in views(6)
-    assert (6, 2) not in views(1)
+    assert (6, 2) not in views(None)  # one device's program

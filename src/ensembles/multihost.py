@@ -67,7 +67,7 @@ def local_mesh() -> Iterator[jax.sharding.Mesh]:
     >>> from ensembles.ops.groups import row_shards
     >>> with local_mesh() as mesh:
     ...     print(mesh.size, row_shards(jnp.ones(3)))
-    1 1
+    1 None
 
     Yields:
       The mesh, of axis ``"local"``.

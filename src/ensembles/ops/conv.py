@@ -294,7 +294,7 @@ def conv_rows(
         preferred_element_type,
     )
     shards = groups.row_shards(x)
-    if shards > 1:
+    if shards is not None:
         # Rows the program may shard: the accelerators' formulation on every
         # platform, over groups each device holds whole (ops/groups.py).
         num_groups = groups.member_groups(

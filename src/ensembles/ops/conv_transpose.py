@@ -71,7 +71,7 @@ def conv_transpose_rows(
                preferred_element_type)  # fmt: skip
     x = flatten_batch(inputs, rank)
     shards = groups.row_shards(x)
-    if shards > 1:
+    if shards is not None:
         # Rows the program may shard: the member view's formula on every
         # platform, over groups each device holds whole (ops/groups.py).
         num_groups = groups.member_groups(

@@ -294,7 +294,7 @@ def dense_rows(
         )
     num_members, in_features = r.shape
     shards = groups.row_shards(inputs)
-    if shards > 1:
+    if shards is not None:
         return dense_groups(
             inputs,
             kernel,

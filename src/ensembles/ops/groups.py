@@ -21,7 +21,7 @@ op is traced (:func:`row_shards`), never from the machine: a program compiled
 for one device on a machine of eight is a one-device program.
 
 >>> import jax.numpy as jnp
->>> member_groups(num_rows=24, num_members=3, shards=1)   # one device
+>>> member_groups(num_rows=24, num_members=3, shards=1)   # rows not split
 3
 >>> member_groups(num_rows=24, num_members=3, shards=8)   # 8 devices, 3 rows each
 24
@@ -49,45 +49,50 @@ def _explicit_sharding(array: Any) -> jax.sharding.NamedSharding | None:
     return sharding
 
 
-def row_shards(inputs: Any) -> int:
-    """Into how many pieces the program may split the rows of ``inputs``.
+def row_shards(inputs: Any) -> int | None:
+    """One device's program (``None``), or how many pieces its rows may split into.
 
     Decided from what the op can see when it is traced, the first of:
 
-    1. ``inputs`` a placed (concrete) ``jax.Array``: how many pieces its
-       sharding cuts its first axis into;
+    1. ``inputs`` a placed (concrete) ``jax.Array``: on one device, ``None``;
+       else how many pieces its sharding cuts its first axis into;
     2. ``inputs`` typed with an explicit mesh's sharding
-       (``jax.sharding.AxisType.Explicit``): the devices along the mesh axes
-       of its first axis;
-    3. a mesh set with ``jax.set_mesh`` (or ``jax.sharding.use_mesh``): its
-       devices, since any of its axes may hold the rows;
-    4. none of these (a ``jax.jit`` argument with no mesh in context): 1.
-       The program is compiled as the arrays passed to it place it, which
-       tracing cannot see; a one-device program gets the one-device
-       formulation whatever ``jax.device_count()`` says. A program sharded
-       this way is correct and costs one model per device where each
-       device's rows and each member's nest (one holds the other); set the
-       mesh for the rest (``docs/scaling_out.md``).
+       (``jax.sharding.AxisType.Explicit``) of several devices: the devices
+       along the mesh axes of its first axis (1 where only other axes are
+       split, tokens say);
+    3. a mesh of several devices set with ``jax.set_mesh`` (or
+       ``jax.sharding.use_mesh``): its devices, since any of its axes may
+       hold the rows;
+    4. none of these (a ``jax.jit`` argument with no mesh in context, or a
+       mesh of one device): ``None``. The program is compiled as the arrays
+       passed to it place it, which tracing cannot see; a one-device program
+       gets the one-device formulation whatever ``jax.device_count()``
+       says. A program sharded this way is correct and costs one model per
+       device where each device's rows and each member's nest (one holds the
+       other); set the mesh for the rest (``docs/scaling_out.md``).
 
     >>> import jax, jax.numpy as jnp
-    >>> row_shards(jnp.ones((4, 3)))                    # placed on one device
-    1
-    >>> jax.jit(lambda x: row_shards(x) * x)(1.0)       # nothing says more
+    >>> row_shards(jnp.ones((4, 3))) is None            # placed on one device
+    True
+    >>> jax.jit(lambda x: x * (row_shards(x) is None))(1.0)   # nothing says more
     Array(1., dtype=float32, weak_type=True)
 
     Args:
       inputs: the op's ``[E*B, ...]`` rows, concrete or traced.
 
     Returns:
-      The number of row pieces ``D`` (1: one device's program).
+      ``None`` for one device's program; else the number of row pieces
+      ``D`` (at least 1), for :func:`member_groups`.
     """
     if isinstance(inputs, jax.Array) and not isinstance(inputs, jax.core.Tracer):
         sharding = inputs.sharding
-        if len(sharding.device_set) == 1 or not inputs.ndim:
+        if len(sharding.device_set) == 1:
+            return None
+        if not inputs.ndim:
             return 1
         return inputs.shape[0] // sharding.shard_shape(inputs.shape)[0]
     explicit = _explicit_sharding(inputs)
-    if explicit is not None:
+    if explicit is not None and explicit.mesh.size > 1:
         spec = explicit.spec
         axes = spec[0] if len(spec) else None
         if axes is None:
@@ -95,7 +100,7 @@ def row_shards(inputs: Any) -> int:
         axes = axes if isinstance(axes, tuple) else (axes,)
         return math.prod(explicit.mesh.shape[a] for a in axes)
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty else mesh.size
+    return None if mesh.empty or mesh.size == 1 else mesh.size
 
 
 def member_groups(*, num_rows: int, num_members: int, shards: int) -> int:

@@ -32,6 +32,10 @@ predictive; :func:`ece`, :func:`adaptive_ece` (equal-mass bins) and :func:`mce`
 prediction, the risk of answering only the most confident examples.
 :func:`fit_temperature` and :func:`scale_temperature` recalibrate the
 predictive with one temperature fitted on held-out examples;
+:func:`fit_ensemble_temperature` (Mix-n-Match) and
+:func:`fit_adaptive_temperature` (a clean and a hard temperature blended by
+each example's uncertainty), with their ``scale_`` twins, calibrate for in
+distribution and shift at once;
 :func:`fit_vector_scaling`, :func:`fit_dirichlet_scaling` and
 :func:`fit_isotonic` (with their ``apply_`` twins) go beyond it, of the
 pooled predictive or of each member. :func:`fit_conformal_threshold` and
@@ -95,6 +99,12 @@ from ensembles.uncertainty.conformal_sets import (
     fit_conformal_threshold,
     set_coverage,
     set_size,
+)
+from ensembles.uncertainty.ensemble_calibration import (
+    fit_adaptive_temperature,
+    fit_ensemble_temperature,
+    scale_adaptive_temperature,
+    scale_ensemble_temperature,
 )
 from ensembles.uncertainty.isotonic import apply_isotonic, fit_isotonic
 from ensembles.uncertainty.metrics import (
@@ -180,10 +190,12 @@ __all__ = [
     "energy_score",
     "epistemic_variance",
     "expected_entropy",
+    "fit_adaptive_temperature",
     "fit_conformal_margin",
     "fit_conformal_quantile",
     "fit_conformal_threshold",
     "fit_dirichlet_scaling",
+    "fit_ensemble_temperature",
     "fit_isotonic",
     "fit_member_std_scales",
     "fit_member_temperatures",
@@ -216,6 +228,8 @@ __all__ = [
     "pit_calibration_error",
     "predictive_probs",
     "rmse",
+    "scale_adaptive_temperature",
+    "scale_ensemble_temperature",
     "scale_member_stds",
     "scale_member_temperatures",
     "scale_std",

@@ -113,12 +113,32 @@ def test_bad_arguments_exit_with_message(capsys, argv, message):
     "pallas" not in ensembles.ops.IMPLS, reason="no Pallas dense op to refuse"
 )
 def test_impl_the_conv_lacks(capsys):
-    # The dense op has a Pallas kernel, the conv op has not: the CNN refuses.
-    with pytest.raises(SystemExit) as raised:
-        main(["--model", "cnn", "--impl", "pallas"])
-    assert raised.value.code == 2
-    err = capsys.readouterr().err
-    assert "--model cnn --impl pallas: impl='pallas' is not available" in err
+    # The dense op has a Pallas kernel, the conv op has not: the CNN refuses,
+    # in one line, before anything is timed.
+    assert main(["--model", "cnn", "--impl", "pallas"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "ensembles-bench: error: --model cnn --impl pallas: impl='pallas' is not "
+        "available"
+    ), err
+
+
+def test_the_table_explains_its_ratio_columns():
+    rows = run_benchmark(
+        models=["linear"], modes=["forward"], members=[2], batch=2, width=4, repeats=1
+    )
+    legend = (
+        "x 1 on E*B: the row's median over one plain model's on all E*B rows "
+        "(the same matmuls: the limit; above 1, slower); x 1 on B: over one "
+        "plain model's on one member's B rows (what a prediction costs without "
+        "an ensemble: E members cost about E times its FLOPs)."
+    )
+    for text, gap in (
+        (report.format_table(rows), "\n"),
+        (report.format_markdown(rows), "\n\n"),
+    ):
+        table_end = text.index("| deep_ensemble_loop |" if gap == "\n\n" else "loop")
+        assert gap + legend in text[table_end:], text
 
 
 def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path):

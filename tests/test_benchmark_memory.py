@@ -165,7 +165,7 @@ def test_the_command_reuses_freed_memory_unless_asked_not_to(
         return lambda *a, **k: calls.append(name) or fn(*a, **k)
 
     monkeypatch.setattr(cli, "reuse_freed_memory", record("reuse", lambda: True))
-    for name in ("check_convertible", "describe_device"):
+    for name in ("check_models", "describe_device"):
         monkeypatch.setattr(cli, name, record(name, getattr(cli, name)))
     tiny = ["--model", "linear", "--mode", "forward", "--members", "2", "--batch", "2"]
     path = tmp_path / "bench.json"
@@ -174,7 +174,7 @@ def test_the_command_reuses_freed_memory_unless_asked_not_to(
     )
     header = capsys.readouterr().out.splitlines()[0]
     # Set before JAX runs anything: the model check and the device query do.
-    assert calls == ["reuse"] * reused + ["check_convertible", "describe_device"]
+    assert calls == ["reuse"] * reused + ["check_models", "describe_device"]
     assert header.endswith(
         "malloc keeps freed memory" if reused else "the default malloc"
     )

@@ -16,16 +16,19 @@ from contextlib import redirect_stdout
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from ensembles.benchmark import cli
 from ensembles.benchmark.cost.compiled import chips
-from ensembles.benchmark.cost.compiled.hlo import parse_program
+from ensembles.benchmark.cost.compiled.hlo import Kernel, Program, parse_program
 from ensembles.benchmark.cost.compiled.hlo_text import parse_instruction
 from ensembles.benchmark.cost.compiled.programs import (
     Comparison,
+    ProgramCost,
     compare_programs,
     program_cost,
 )
+from ensembles.benchmark.cost.compiled.report import format_comparisons
 
 
 def module(*lines, extra=""):
@@ -371,3 +374,203 @@ def test_bad_options_are_named(options, message):
     arguments = {"chip": "cpu", **options}
     with pytest.raises(ValueError, match=message):
         compare_programs("linear", num_members=2, batch=2, width=4, **arguments)
+
+
+# --- what the listing of extra kernels counts ----------------------------------
+
+
+def _kernel(category, ops, hbm_bytes=1024, trips=1):
+    return Kernel(
+        f"{category}.{len(ops)}", category, tuple(sorted(ops)), 0, hbm_bytes,
+        trips, None, None,
+    )  # fmt: skip
+
+
+def _cost(*kernels):
+    return ProgramCost("v5e", Program(kernels, ()), temp_bytes=0, compile_seconds=0.0)
+
+
+def test_the_extra_kernels_are_as_many_as_the_table_says():
+    """As a v5e's train step had them: DMAs, which the kernels column does
+    not count, and a BatchEnsemble matmul its compiler wrote as a
+    convolution where the plain model's is a matmul. The listing counts what
+    the table counts: 5 / 3 kernels, 2 more, and says the DMAs apart."""
+    plain = _cost(
+        _kernel("gemm", ["convolution", "add"]),
+        _kernel("gemm", ["convolution", "maximum"]),
+        _kernel("other", ["add"], trips=1),
+        *[_kernel("dma", ["copy-start"])] * 3,
+    )
+    ensemble = _cost(
+        _kernel("gemm", ["convolution", "add", "multiply"]),
+        _kernel("conv", ["convolution", "maximum", "multiply"]),
+        _kernel("other", ["add"]),
+        _kernel("other", ["multiply", "reduce"], trips=2),
+        *[_kernel("dma", ["copy-start"])] * 7,
+    )
+    row = Comparison("mlp", "train", "float32", 4, 128, ensemble, plain)
+    extra = row.extra_kernels()
+    assert ensemble.launches - plain.launches == 2
+    assert sum(k.trips for k in extra) == 2
+    assert {k.category for k in extra} == {"other"}
+    assert [k["trips"] for k in row.as_dict()["extra_kernels"]] == [2]
+    text = format_comparisons([row])
+    assert "5 / 3" in text
+    assert "v5e mlp train float32 E=4 (2 kernels): 2 x " in text
+    assert "DMAs (no kernels: not in the table's counts): 7 / 3" in text
+    # A plain kernel of a family the BatchEnsemble lacks still takes one of
+    # its kernels: the listing never counts more than the difference.
+    fewer = Comparison("m", "forward", "float32", 2, 2, _cost(_kernel("other", [])),
+                       _cost(_kernel("gemm", ["dot"])))  # fmt: skip
+    assert fewer.extra_kernels() == []
+
+
+def test_the_table_says_which_side_is_the_batchensemble():
+    row = Comparison(
+        "mlp", "forward", "float32", 4, 128,
+        _cost(_kernel("gemm", ["dot"]), _kernel("other", ["add"])),
+        _cost(_kernel("gemm", ["dot"])),
+    )  # fmt: skip
+    for markdown in (False, True):
+        text = format_comparisons([row], markdown=markdown)
+        table_end = text.index("Kernels the BatchEnsemble adds")
+        assert (
+            "a / b: the BatchEnsemble's / the plain model's (one model on the "
+            "same E*B rows); flops x and bytes x: the BatchEnsemble's over the "
+            "plain model's" in text[:table_end]
+        ), text
+
+
+# --- a user's model, checked before anything is compiled ------------------------
+
+
+def returns_a_number(rngs):
+    """A factory that forgot to return its model."""
+    return 42
+
+
+def holds_nothing_to_convert(rngs):
+    return nnx.Sequential(nnx.LayerNorm(8, rngs=rngs))
+
+
+def takes_eight(rngs):
+    """``[N, 8] -> [N, 3]``, with a LayerNorm the conversion leaves shared."""
+    return nnx.Sequential(
+        nnx.Linear(8, 16, rngs=rngs),
+        nnx.LayerNorm(16, rngs=rngs),
+        nnx.relu,
+        nnx.Linear(16, 3, rngs=rngs),
+    )
+
+
+def breaks_in_its_factory(rngs):
+    """A bug of the user's: its traceback must not be hidden."""
+    return {}["missing"]
+
+
+class _Broken(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        raise ZeroDivisionError("a bug in the model's forward")
+
+
+def breaks_in_its_forward(rngs):
+    return _Broken(rngs)
+
+
+_FACTORY = "tests.test_compiled:"
+_TINY = ["--members", "2", "--batch", "2", "--mode", "forward"]
+_BENCHMARKS = {
+    "compiled": ["--compiled-for", "cpu"],
+    "timed": ["--repeats", "1", "--default-malloc"],
+}
+
+
+@pytest.fixture
+def nothing_compiles(monkeypatch):
+    """The checks come first: nothing is compiled or timed for a bad model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled before the model was checked")
+
+    from ensembles.benchmark.cost import speed
+
+    monkeypatch.setattr(chips, "compile_for", refuse)
+    monkeypatch.setattr(speed, "prepare_method", refuse)
+
+
+@pytest.mark.parametrize("bench", sorted(_BENCHMARKS))
+@pytest.mark.parametrize(
+    "factory, shape, message",
+    [
+        (
+            "returns_a_number",
+            "8",
+            "the factory returned int, not an nnx.Module: return the model",
+        ),
+        ("holds_nothing_to_convert", "8", "found no layer to convert"),
+        (
+            "takes_eight",
+            "5",
+            "the model does not take inputs of shape (N, 5) (TypeError: "
+            "dot_general requires contracting dimensions to have the same "
+            "shape, got (5,) and (8,).): give `input_shape` (--input-shape) one "
+            "example's shape as the model takes it, without the batch axis",
+        ),
+        ("takes_eight", "8,2", "does not take inputs of shape (N, 8, 2)"),
+    ],
+)
+def test_a_users_model_that_cannot_run_is_a_one_line_error(
+    bench, factory, shape, message, nothing_compiles, capsys
+):
+    argv = [*_BENCHMARKS[bench], "--model", _FACTORY + factory,
+            "--input-shape", shape, *_TINY]  # fmt: skip
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    prefix = f"ensembles-bench: error: --model {_FACTORY}{factory} --input-shape "
+    assert lines[0].startswith(prefix + shape + ": "), lines[0]
+    assert message in lines[0]
+    assert captured.out == ""  # refused before the header
+
+
+@pytest.mark.parametrize("bench", sorted(_BENCHMARKS))
+@pytest.mark.parametrize(
+    "factory, error",
+    [("breaks_in_its_factory", KeyError), ("breaks_in_its_forward", ZeroDivisionError)],
+)
+def test_a_bug_in_a_users_model_keeps_its_traceback(
+    bench, factory, error, nothing_compiles
+):
+    argv = [*_BENCHMARKS[bench], "--model", _FACTORY + factory,
+            "--input-shape", "8", *_TINY]  # fmt: skip
+    with pytest.raises(error):
+        cli.main(argv)
+
+
+@pytest.mark.parametrize("bench", sorted(_BENCHMARKS))
+def test_the_command_names_the_layers_a_users_model_shares(bench, capsys):
+    argv = [*_BENCHMARKS[bench], "--model", _FACTORY + "takes_eight",
+            "--input-shape", "8", *_TINY]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    shared = (
+        "takes_eight: left shared by every member (one copy, not converted): "
+        "layers/1 (LayerNorm, 32 parameters)"
+    )
+    assert out[1] == shared, out  # under the header, above the tables
+    assert not any("linear" in line and "left shared" in line for line in out)
+
+
+def test_the_check_of_a_users_model_returns_what_stayed_shared():
+    from ensembles.benchmark import check_convertible
+
+    info = check_convertible(takes_eight, input_shape=(8,))
+    assert info.shared_norms == (("layers/1", "LayerNorm", 32),)
+    assert info.shared == ()
+    assert check_convertible("mlp").shared_norms == ()
+    with pytest.raises(ValueError, match=r"`input_shape` must give one example"):
+        check_convertible(takes_eight)

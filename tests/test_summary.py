@@ -61,6 +61,24 @@ class TestSummary:
             assert info.shared_params == kernels
             assert info.member_params == 4 * (biases + norm_params)
 
+    @pytest.mark.parametrize("norms", ["shared", "member"])
+    def test_an_abstract_model_counts_alike(self, norms):
+        """Built by ``nnx.eval_shape`` (what ``ensembles-bench`` checks a
+        user's model on, allocating nothing): the same summary."""
+
+        def build():
+            rngs = nnx.Rngs(0)
+            model = nnx.Sequential(
+                nnx.Linear(3, 8, rngs=rngs),
+                nnx.BatchNorm(8, rngs=rngs),
+                nnx.Embed(5, 8, rngs=rngs),
+            )
+            return ensembles.to_batch_ensemble(
+                model, num_members=4, rngs=nnx.Rngs(1), norms=norms
+            )
+
+        assert ensembles.summary(nnx.eval_shape(build)) == ensembles.summary(build())
+
     def test_plain_model(self):
         with pytest.raises(ValueError, match=r"holds no BatchEnsemble layer"):
             ensembles.summary(MLP(nnx.Rngs(0)))

@@ -229,7 +229,8 @@ def summary(model: Any) -> EnsembleSummary:
     deep ensemble of 4: 1,040 (this model holds 42.3% of that)
 
     Args:
-      model: a model holding BatchEnsemble layers.
+      model: a model holding BatchEnsemble layers; an abstract one (built
+        with ``nnx.eval_shape``, nothing allocated) is counted alike.
 
     Returns:
       An :class:`EnsembleSummary`.
@@ -274,8 +275,10 @@ def summary(model: Any) -> EnsembleSummary:
     total = _count(nnx.state(model, nnx.Param))
     fast = sum(row[3] for row in layers)
     member = sum(row[4] for row in layers)
+    # The model as an argument, not a constant: an abstract one (made by
+    # nnx.eval_shape, its values shapes) is counted alike.
     single = _count(
-        nnx.state(nnx.eval_shape(lambda: extract_member(model, 0)), nnx.Param)
+        nnx.state(nnx.eval_shape(lambda m: extract_member(m, 0), model), nnx.Param)
     )
     return EnsembleSummary(
         num_members=num_members,

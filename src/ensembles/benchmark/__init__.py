@@ -11,13 +11,13 @@ lists the options.
 """
 
 from ensembles.benchmark.cli import build_parser, main
+from ensembles.benchmark.cost.checks import check_convertible
 from ensembles.benchmark.cost.methods import (
     LEARNING_RATE,
     METHODS,
     MODES,
     MemoryStats,
     Prepared,
-    check_convertible,
     prepare_method,
 )
 from ensembles.benchmark.cost.models import (

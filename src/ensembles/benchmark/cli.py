@@ -36,12 +36,13 @@ from ensembles.benchmark.cli_options import (
     add_quality_options,
     add_speed_options,
 )
+from ensembles.benchmark.cost.checks import check_models
 from ensembles.benchmark.cost.compiled.chips import start_compilers
 from ensembles.benchmark.cost.compiled.report import (
     format_comparisons,
     run_comparisons,
 )
-from ensembles.benchmark.cost.methods import MODES, check_convertible
+from ensembles.benchmark.cost.methods import MODES
 from ensembles.benchmark.cost.models import DEFAULT_IMAGE_SIZE, MODELS
 from ensembles.benchmark.cost.report import format_markdown, format_table, write_plot
 from ensembles.benchmark.cost.speed import run_benchmark
@@ -235,15 +236,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _check_convertible(args: argparse.Namespace) -> None:
-    """Exits with a message if a model does not convert (runs JAX: not in _parse)."""
-    for model in args.model:
-        if not isinstance(model, str):
-            continue  # a factory: converted when its rows run
-        try:
-            check_convertible(model, args.impl)
-        except ValueError as error:
-            build_parser().error(f"--model {model} --impl {args.impl}: {error}")
+def _check_models(args: argparse.Namespace) -> list[str] | None:
+    """:func:`check_models` (runs JAX: not in _parse); ``None`` once refused."""
+    try:
+        return check_models(args.model, args.impl, args.input_shape)
+    except ValueError as error:  # the user's model or --impl, not a bug
+        print(f"ensembles-bench: error: {error}", file=sys.stderr)
+        return None
 
 
 def _progress(stream: TextIO) -> Callable[[str], None]:
@@ -280,13 +279,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     | 2 | batchensemble | ...
     | 2 | deep_ensemble | ...
     | 2 | deep_ensemble_loop | ...
+    <BLANKLINE>
+    x 1 on E*B: the row's median over one plain model's on all E*B rows ...
     0
 
     Args:
       argv: the arguments (default: ``sys.argv[1:]``).
 
     Returns:
-      The exit status, 0; bad arguments exit with status 2 and a message.
+      The exit status, 0; bad arguments exit with status 2 and a message, as
+      does a model that cannot run (checked before anything is compiled).
     """
     args = _parse(argv)
     start = time.perf_counter()
@@ -337,7 +339,9 @@ def _one_report(args: argparse.Namespace) -> Iterator[None]:
 
 def _main_cost(args: argparse.Namespace, start: float) -> int:
     """``main`` without ``--quality`` or ``--compiled-for``: time, print, write."""
-    _check_convertible(args)
+    shared = _check_models(args)
+    if shared is None:
+        return 2
     device = describe_device()
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
@@ -350,6 +354,8 @@ def _main_cost(args: argparse.Namespace, start: float) -> int:
         ),
         flush=True,
     )
+    for line in shared:
+        print(line, flush=True)
     rows = run_benchmark(
         models=args.model,
         modes=args.mode,
@@ -374,6 +380,9 @@ def _main_cost(args: argparse.Namespace, start: float) -> int:
 
 def _main_compiled(args: argparse.Namespace, start: float) -> int:
     """``main`` for ``--compiled-for``: compile, compare, print, write."""
+    shared = _check_models(args)
+    if shared is None:
+        return 2
     print(
         f"ensembles {ensembles.__version__}, jax {jax.__version__}: programs "
         f"compiled for {', '.join(args.compiled_for)} (deviceless where this "
@@ -381,6 +390,8 @@ def _main_compiled(args: argparse.Namespace, start: float) -> int:
         f"the same E*B rows",
         flush=True,
     )
+    for line in shared:
+        print(line, flush=True)
     try:
         rows = run_comparisons(
             chips=args.compiled_for,

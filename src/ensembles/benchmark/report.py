@@ -25,12 +25,25 @@ from flax import nnx
 
 import ensembles
 
-__all__ = ["describe_device", "model_name", "render_table", "write_json"]
+__all__ = [
+    "describe_device",
+    "model_name",
+    "model_reference",
+    "render_table",
+    "write_json",
+]
 
 
 def model_name(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:
     """A model's name in tables: the name itself, or its factory's name."""
     return name if isinstance(name, str) else getattr(name, "__name__", "model")
+
+
+def model_reference(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:
+    """A model as ``--model`` names it: the name, or ``"module:factory"``."""
+    if isinstance(name, str):
+        return name
+    return f"{name.__module__}:{getattr(name, '__name__', name)}"
 
 
 def render_table(
@@ -131,9 +144,7 @@ def write_json(
     """
 
     def plain(value: Any) -> Any:  # a user's factory is written by its name
-        if callable(value):
-            return f"{value.__module__}:{getattr(value, '__name__', value)}"
-        return value
+        return model_reference(value) if callable(value) else value
 
     config = {
         key: [plain(v) for v in value] if isinstance(value, tuple) else plain(value)

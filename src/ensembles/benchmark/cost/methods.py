@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 import ensembles
+from ensembles.benchmark.cost.checks import convert
 from ensembles.benchmark.cost.models import (
     DEFAULT_IMAGE_SIZE,
     build_model,
@@ -54,7 +55,6 @@ __all__ = [
     "MODES",
     "MemoryStats",
     "Prepared",
-    "check_convertible",
     "prepare_method",
 ]
 
@@ -73,10 +73,6 @@ MODES: tuple[str, ...] = ("forward", "train")
 
 #: Adam's learning rate in ``mode="train"``.
 LEARNING_RATE: float = 1e-3
-
-# The Flax layers conversion replaces; after it none may remain, else
-# "batchensemble" would time a partly plain model.
-_PLAIN_LAYERS = tuple(ensembles.convert.CONVERTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,48 +132,6 @@ class Prepared:
     param_bytes: int
     memory: MemoryStats
     loss: str | None = None
-
-
-def check_convertible(model: str, impl: str = "xla") -> None:
-    """Raises unless ``model`` converts completely and takes ``impl``.
-
-    :func:`ensembles.to_batch_ensemble` must convert every layer, and every
-    converted layer must accept ``nnx.view(model, impl=impl)``.
-
-    >>> from ensembles.benchmark import check_convertible
-    >>> check_convertible("mlp", impl="xla")
-
-    Args:
-      model: one of :data:`~ensembles.benchmark.MODELS`.
-      impl: the op implementation the benchmark will ask for.
-
-    Raises:
-      ValueError: if a layer of ``model`` stays a plain Flax layer, or a
-        converted layer has no implementation ``impl``.
-    """
-    tiny = _convert(build_model(model, width=1, rngs=nnx.Rngs(0)), 1, None, 0, None)
-    try:
-        view = nnx.view(tiny, impl=impl)
-    except ValueError as error:
-        raise ValueError(
-            f"impl={impl!r} is not available for every layer of the {model} "
-            f"model: {error}"
-        ) from None
-    # A whole-model view leaves layers whose op lacks `impl` as they were; a
-    # benchmark row named after `impl` must not time them with another.
-    lacking = sorted(
-        {
-            type(node).__name__
-            for _, node in nnx.iter_graph(view)
-            if isinstance(node, ensembles.layers.BatchEnsembleModule)
-            and node.impl != impl
-        }
-    )
-    if lacking:
-        raise ValueError(
-            f"impl={impl!r} is not available for every layer of the {model} "
-            f"model: {lacking} have no such implementation."
-        )
 
 
 def prepare_method(
@@ -261,7 +215,13 @@ def prepare_method(
     if method in ("batchensemble", "rank1"):
         base = build_model(model, width=width, rngs=nnx.Rngs(seed))
         posterior = "gaussian" if method == "rank1" else None
-        module = _convert(base, num_members, fast_weight_init, seed, posterior)
+        module = convert(
+            base,
+            num_members,
+            fast_weight_init=fast_weight_init,
+            seed=seed,
+            posterior=posterior,
+        )
         return _prepare_one(method, nnx.view(module, impl=impl), mode, x, labels)
     members = [
         build_model(model, width=width, rngs=nnx.Rngs(seed + k))
@@ -272,31 +232,6 @@ def prepare_method(
     if method == "deep_ensemble":
         return _prepare_vmap(members, mode, xs, ys)
     return _prepare_loop(members, mode, xs, ys)
-
-
-def _convert(base, num_members, fast_weight_init, seed, posterior):
-    kwargs = {}
-    if fast_weight_init is not None:
-        kwargs = {"r_init": fast_weight_init, "s_init": fast_weight_init}
-    converted = ensembles.to_batch_ensemble(
-        base,
-        num_members=num_members,
-        rngs=nnx.Rngs(seed + 10_000),
-        posterior=posterior,
-        **kwargs,
-    )
-    left = [
-        f"{'/'.join(map(str, path))} ({type(node).__name__})"
-        for path, node in nnx.iter_graph(converted)
-        if type(node) in _PLAIN_LAYERS
-    ]
-    if left:
-        raise ValueError(
-            f"ensembles {ensembles.__version__} cannot convert every layer of "
-            f"this model: {', '.join(left)} stayed plain, so 'batchensemble' "
-            f"would not be a BatchEnsemble model."
-        )
-    return converted
 
 
 def _count(params) -> tuple[int, int]:

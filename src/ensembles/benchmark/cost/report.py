@@ -15,6 +15,7 @@ from ensembles.benchmark.report import render_table
 
 __all__ = [
     "FAULTS_NOTED",
+    "RATIOS_LEGEND",
     "SPREAD_NOTED",
     "format_markdown",
     "format_table",
@@ -46,6 +47,15 @@ _COLUMNS = (
     "params/deep",
     "memory MiB",
     "memory/vmap deep",
+)
+
+
+#: The line under every table that says what its two ratio columns divide by.
+RATIOS_LEGEND: str = (
+    "x 1 on E*B: the row's median over one plain model's on all E*B rows "
+    "(the same matmuls: the limit; above 1, slower); x 1 on B: over one "
+    "plain model's on one member's B rows (what a prediction costs without "
+    "an ensemble: E members cost about E times its FLOPs)."
 )
 
 
@@ -125,8 +135,8 @@ def _spread_note(group: list[dict[str, Any]]) -> str:
 
 
 def _notes(group: list[dict[str, Any]], separator: str) -> str:
-    """The notes under a group's table (loss, spread, page faults), or ``""``."""
-    notes = (_loss_note(group), _spread_note(group), _faults_note(group))
+    """The notes under a group's table: the ratios' legend, loss, spread, faults."""
+    notes = (RATIOS_LEGEND, _loss_note(group), _spread_note(group), _faults_note(group))
     return separator.join(note for note in notes if note)
 
 

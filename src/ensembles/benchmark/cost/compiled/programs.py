@@ -209,28 +209,33 @@ class Comparison:
     def extra_kernels(self) -> list[hlo.Kernel]:
         """The BatchEnsemble's kernels beyond the plain model's.
 
+        Kernels as the table's ``kernels`` column counts them: every launch
+        but the DMAs (copies between memory spaces, which launch nothing).
         Each plain kernel, in program order, is matched to the unmatched
-        BatchEnsemble kernel of its category (matmul, convolution, other,
-        DMA) that computes the most alike: the largest share of operations in
-        common, then the nearest bytes. What is left, loop trips counted, is
-        what the BatchEnsemble adds: its scalings' own kernels, a loop's
-        body, a matmul more.
+        BatchEnsemble kernel of its family that computes the most alike (the
+        largest share of operations in common, then the nearest bytes): the
+        matmul and convolution kernels are one family, as in the
+        ``matmul/conv`` column (a chip may write one side's matmul as a
+        convolution), collectives another, the rest a third. A plain kernel
+        whose family the BatchEnsemble has run out of takes the most alike
+        of what is left. What is left, loop trips counted, is what the
+        BatchEnsemble adds (its scalings' own kernels, a loop's body, a
+        matmul more): as many launches as the ``kernels`` column's
+        difference, none where the BatchEnsemble has fewer.
         """
-        left = [[kernel, kernel.trips] for kernel in self.ensemble.program.kernels]
+        left = [
+            [kernel, kernel.trips]
+            for kernel in self.ensemble.program.kernels
+            if kernel.category != "dma"
+        ]
+        unmatched = []
         for kernel in self.plain.program.kernels:
-            trips = kernel.trips
-            while trips:
-                candidates = [
-                    entry
-                    for entry in left
-                    if entry[1] and entry[0].category == kernel.category
-                ]
-                if not candidates:
-                    break
-                best = max(candidates, key=lambda entry: _likeness(entry[0], kernel))
-                taken = min(trips, best[1])
-                best[1] -= taken
-                trips -= taken
+            if kernel.category != "dma":
+                trips = _match(left, kernel, kernel.trips, _family(kernel))
+                if trips:
+                    unmatched.append((kernel, trips))
+        for kernel, trips in unmatched:
+            _match(left, kernel, trips, None)
         return [
             dataclasses.replace(kernel, trips=trips) for kernel, trips in left if trips
         ]
@@ -259,6 +264,37 @@ class Comparison:
                 for k in self.extra_kernels()
             ],
         }
+
+
+def _family(kernel: hlo.Kernel) -> str:
+    """A kernel's family for matching: matmuls and convolutions are one."""
+    return (
+        "matmul" if kernel.category in ("gemm", "conv", "pallas") else kernel.category
+    )
+
+
+def _match(
+    left: list[list[Any]], kernel: hlo.Kernel, trips: int, family: str | None
+) -> int:
+    """Takes ``trips`` of ``kernel``'s from the most alike in ``left``.
+
+    ``left`` holds ``[kernel, trips not yet matched]`` entries; only those of
+    ``family`` are candidates (``None``: any). Returns the trips no
+    candidate was left for.
+    """
+    while trips:
+        candidates = [
+            entry
+            for entry in left
+            if entry[1] and (family is None or _family(entry[0]) == family)
+        ]
+        if not candidates:
+            break
+        best = max(candidates, key=lambda entry: _likeness(entry[0], kernel))
+        taken = min(trips, best[1])
+        best[1] -= taken
+        trips -= taken
+    return trips
 
 
 def _likeness(a: hlo.Kernel, b: hlo.Kernel) -> tuple[float, float]:

@@ -22,7 +22,13 @@ from ensembles.benchmark.cost.compiled.programs import (
 )
 from ensembles.benchmark.report import render_table
 
-__all__ = ["COLLECTIVES_COLUMN", "COLUMNS", "format_comparisons", "run_comparisons"]
+__all__ = [
+    "COLLECTIVES_COLUMN",
+    "COLUMNS",
+    "SIDES",
+    "format_comparisons",
+    "run_comparisons",
+]
 
 #: The table's columns (and :data:`COLLECTIVES_COLUMN` where a program has
 #: collectives).
@@ -45,6 +51,13 @@ COLUMNS: tuple[str, ...] = (
 #: The column a table of several devices' programs adds: each program's
 #: collectives and the megabytes they carry (BatchEnsemble / plain).
 COLLECTIVES_COLUMN = "collectives (MB)"
+
+#: The line under the table that says which side of each pair is which.
+SIDES = (
+    "a / b: the BatchEnsemble's / the plain model's (one model on the same "
+    "E*B rows); flops x and bytes x: the BatchEnsemble's over the plain "
+    "model's."
+)
 
 
 def run_comparisons(
@@ -161,9 +174,14 @@ def _where(kernel: Kernel) -> str:
 
 
 def _sources(row: Comparison, limit: int) -> str:
-    """The extra kernels' bytes by the line that made them, largest first."""
+    """The extra kernels' bytes by the line that made them, largest first.
+
+    Headed by their count (the ``kernels`` column's difference); the DMAs,
+    which that column leaves out, follow where the two programs' differ.
+    """
     by_source: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for kernel in row.extra_kernels():
+    extra = row.extra_kernels()
+    for kernel in extra:
         entry = by_source[_where(kernel)]
         entry[0] += kernel.trips
         entry[1] += kernel.hbm_bytes * kernel.trips
@@ -174,7 +192,15 @@ def _sources(row: Comparison, limit: int) -> str:
     ]
     if len(ranked) > limit:
         shown.append(f"{len(ranked) - limit} more lines")
-    return "; ".join(shown) if shown else "none"
+    count = sum(kernel.trips for kernel in extra)
+    text = (
+        f"({count} kernel{'' if count == 1 else 's'}): "
+        f"{'; '.join(shown) if shown else 'none'}"
+    )
+    dmas = [cost.program.launches_of("dma") for cost in (row.ensemble, row.plain)]
+    if dmas[0] != dmas[1]:
+        text += f"; DMAs (no kernels: not in the table's counts): {_pair(*dmas)}"
+    return text
 
 
 def format_comparisons(
@@ -185,7 +211,10 @@ def format_comparisons(
     ``flops x`` and ``bytes x`` are the BatchEnsemble's over the plain
     model's; ``kernels``, ``matmul/conv``, ``loops``, ``temp MiB``,
     ``compile s`` and, where a program has collectives, ``collectives (MB)``
-    give both, BatchEnsemble first. Where a comparison ran on a mesh of
+    give both, BatchEnsemble first (:data:`SIDES`, the line under the table,
+    says so). Each row's extra kernels are as many as its ``kernels``
+    column's difference (DMAs, which that column does not count, are named
+    apart where the programs' differ). Where a comparison ran on a mesh of
     several devices a ``layout`` column names it, and its figures are one
     device's.
 
@@ -217,11 +246,11 @@ def format_comparisons(
     lines = [
         f"- {row.chip} {row.model} {row.mode} {row.dtype} E={row.num_members}"
         + ("" if row.layout == "one device" else f" ({row.layout})")
-        + f": {_sources(row, limit)}"
+        + f" {_sources(row, limit)}"
         for row in rows
     ]
     heading = (
         "Kernels the BatchEnsemble adds (count x main-memory bytes, at the "
         "model's line via the op's):"
     )
-    return "\n".join([table, "", heading, *lines])
+    return "\n".join([table, "", SIDES, "", heading, *lines])

@@ -170,7 +170,7 @@ THINNED_SWEEPS = {
         "test_metrics_of_every_integer_dtype": 4,
     },
     "test_rank1.py": {"test_eval_equals_a_batch_ensemble_holding_the_means": 3},
-    "test_sharding.py": {"test_row_formulation_matches_member_formulation": 2},
+    "test_sharding.py": {"test_grouped_formulation_matches_one_device": 3},
     "test_uncertainty.py": {
         "test_ece_matches_explicit_bin_loop": 2,
         "test_per_example_measures_match_numpy": 2,

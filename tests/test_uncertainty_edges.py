@@ -28,7 +28,7 @@ import pytest
 
 from ensembles import uncertainty
 from ensembles.benchmark import QualityData
-from ensembles.benchmark.quality.calibration import CALIBRATIONS
+from ensembles.benchmark.quality.calibration import REGRESSOR_CALIBRATIONS
 from ensembles.benchmark.quality.classification.scores import evaluate
 from ensembles.benchmark.quality.methods import Trained
 from ensembles.benchmark.quality.regression.scores import (
@@ -233,14 +233,14 @@ def test_nan_predictions_on_the_noisy_copies_give_nan_figures():
     result = _evaluate(test_shift=0.0)
     assert not result["diverged"] and math.isfinite(result["std_scale"])
     assert math.isfinite(result["in_distribution"]["nll"])
-    for name in ("pooled_noisy", "members_noisy", "members_noisy_pooled"):
+    for name in ("pooled_noisy", "members_noisy", "members_noisy_pooled", "spread"):
         calibrated = result["calibrations"][name]
         assert math.isnan(calibrated["std_scale"]), name
         assert all(math.isnan(v) for v in calibrated["in_distribution"].values())
     members = result["calibrations"]["members"]  # fitted on the clean split
     assert math.isfinite(members["std_scale"])
     assert math.isfinite(members["in_distribution"]["crps"])
-    assert set(result["calibrations"]) == set(CALIBRATIONS)
+    assert set(result["calibrations"]) == set(REGRESSOR_CALIBRATIONS)
 
 
 def test_nan_predictions_on_the_test_inputs_give_nan_figures():

@@ -157,6 +157,7 @@ from ensembles.uncertainty.regression_scores import (
     rmse,
     spread_error_correlation,
 )
+from ensembles.uncertainty.regression_spread import fit_spread_scales, scale_spread
 from ensembles.uncertainty.scores import (
     disagreement,
     expected_entropy,
@@ -199,6 +200,7 @@ __all__ = [
     "fit_isotonic",
     "fit_member_std_scales",
     "fit_member_temperatures",
+    "fit_spread_scales",
     "fit_std_scale",
     "fit_temperature",
     "fit_vector_scaling",
@@ -232,6 +234,7 @@ __all__ = [
     "scale_ensemble_temperature",
     "scale_member_stds",
     "scale_member_temperatures",
+    "scale_spread",
     "scale_std",
     "scale_temperature",
     "set_coverage",

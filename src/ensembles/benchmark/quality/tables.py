@@ -209,6 +209,9 @@ _CALIBRATION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("members", "members"),
     ("members, noisy", "members_noisy"),
     ("members, noisy, then pooled", "members_noisy_pooled"),
+    ("ETS", "ets"),
+    ("adaptive", "adaptive"),
+    ("spread apart", "spread"),
 )
 
 
@@ -234,13 +237,20 @@ def calibration_tables(
     """
     if not any("calibrations" in entry for entry in group):
         return []
-    header = ["method", *(name for name, _ in _CALIBRATION_COLUMNS)]
+    # A kind's own calibrations (a classifier's ETS, a regressor's spread):
+    # the columns some entry has.
+    columns = [
+        (name, where)
+        for name, where in _CALIBRATION_COLUMNS
+        if any(_calibrated(entry, where) is not None for entry in group)
+    ]
+    header = ["method", *(name for name, _ in columns)]
 
     def rows(metric):
         table = []
         for entry in group:
             cells = [entry["method"]]
-            for _, where in _CALIBRATION_COLUMNS:
+            for _, where in columns:
                 figures = _calibrated(entry, where)
                 if figures is None:
                     cells.append("n/a")
@@ -260,7 +270,15 @@ def calibration_tables(
         "NLL in distribution / under shift, as trained and at each calibration "
         f"(pooled: one {fitted} of the pooled predictive; members: one per "
         "member, then pooled; noisy: fitted on the held-out examples and copies "
-        f"with Gaussian noise of {strengths} training-input standard deviations):",
+        f"with Gaussian noise of {strengths} training-input standard deviations"
+        + (
+            "; ETS: ensemble temperature scaling; adaptive: the clean and the "
+            "noisy temperature blended per example by its predictive's entropy"
+            if second == "ece"
+            else "; spread apart: the members' stds scaled on the clean "
+            "examples, their disagreement on the noisy copies"
+        )
+        + "):",
         "",
         render_table(header, rows("nll"), markdown=markdown, left=0),
         "",

@@ -24,7 +24,7 @@ import numpy as np
 
 from ensembles import uncertainty
 from ensembles.benchmark.quality.calibration import (
-    CALIBRATIONS,
+    CLASSIFIER_CALIBRATIONS,
     cached,
     calibrate_classifier,
     diversity,
@@ -182,7 +182,7 @@ def evaluate(
         result["recalibrated"] = nan_like(as_trained)
         result["calibrations"] = {
             name: nan_like({"temperature": 0, **_in_and_shift(as_trained)})
-            for name in CALIBRATIONS
+            for name in CLASSIFIER_CALIBRATIONS
         }
         result["calibrators"] = {
             name: nan_like(_in_and_shift(as_trained)) for name in CALIBRATORS

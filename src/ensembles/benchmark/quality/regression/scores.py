@@ -30,7 +30,7 @@ import numpy as np
 from ensembles import training, uncertainty
 from ensembles._checks import as_real_array
 from ensembles.benchmark.quality.calibration import (
-    CALIBRATIONS,
+    REGRESSOR_CALIBRATIONS,
     cached,
     calibrate_regressor,
     diversity,
@@ -348,7 +348,7 @@ def evaluate_regression(
                     **{k: result[k] for k in ("in_distribution", "shift_mean")},
                 }
             )
-            for name in CALIBRATIONS
+            for name in REGRESSOR_CALIBRATIONS
         }
         return result
 

@@ -47,6 +47,11 @@ CALIBRATIONS = (
     "members",
     "members_noisy",
     "members_noisy_pooled",
+    # Issue 68's: a classifier's ETS and adaptive temperature, a regressor's
+    # spreads apart (a file of the other kind has none: not measured there).
+    "ets",
+    "adaptive",
+    "spread",
 )
 #: The calibrations a recipe may end with (the ones fitted on held-out data).
 FITTED = CALIBRATIONS[1:]

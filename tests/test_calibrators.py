@@ -38,7 +38,9 @@ def ref_inputs(logits, members):
     return (logsumexp(log_probs, axis=0) - np.log(len(log_probs)))[None]
 
 
-def ref_fit(kind, z, labels, off_diagonal_penalty=0.0, bias_penalty=0.0):
+def ref_fit(
+    kind, z, labels, scale_penalty=0.0, off_diagonal_penalty=0.0, bias_penalty=0.0
+):
     num_examples, num_classes = z.shape
 
     def unpack(theta):
@@ -60,14 +62,19 @@ def ref_fit(kind, z, labels, off_diagonal_penalty=0.0, bias_penalty=0.0):
         slope /= num_examples
         penalty = bias_penalty * np.mean(biases**2)
         bias_gradient = slope.sum(axis=0) + 2 * bias_penalty * biases / num_classes
+        scales = first if kind == "vector" else np.diag(first)
+        penalty += scale_penalty * np.mean((scales - 1) ** 2)
+        scale_gradient = 2 * scale_penalty * (scales - 1) / num_classes
         if kind == "vector":
-            first_gradient = (slope * z).sum(axis=0)
+            first_gradient = (slope * z).sum(axis=0) + scale_gradient
         else:
             off = 1 - np.eye(num_classes)
             pairs = num_classes * (num_classes - 1)
             penalty += off_diagonal_penalty * (first**2 * off).sum() / pairs
             first_gradient = (
-                slope.T @ z + 2 * off_diagonal_penalty * first * off / pairs
+                slope.T @ z
+                + 2 * off_diagonal_penalty * first * off / pairs
+                + np.diag(scale_gradient)
             )
         gradient = np.concatenate([first_gradient.ravel(), bias_gradient])
         return nll + penalty, gradient
@@ -86,11 +93,15 @@ def ref_fit(kind, z, labels, off_diagonal_penalty=0.0, bias_penalty=0.0):
 
 
 PARAMETRIC = {
-    "vector": (uncertainty.fit_vector_scaling, uncertainty.apply_vector_scaling, {}),
+    "vector": (
+        uncertainty.fit_vector_scaling,
+        uncertainty.apply_vector_scaling,
+        {"scale_penalty": 0.03, "bias_penalty": 0.02},
+    ),
     "dirichlet": (
         uncertainty.fit_dirichlet_scaling,
         uncertainty.apply_dirichlet_scaling,
-        {"off_diagonal_penalty": 0.05, "bias_penalty": 0.02},
+        {"scale_penalty": 0.03, "off_diagonal_penalty": 0.5, "bias_penalty": 0.02},
     ),
 }
 
@@ -281,6 +292,8 @@ def test_bad_options_raise_clearly():
     logits, labels = miscalibrated(seed=7)
     with pytest.raises(ValueError, match="`bias_penalty` must be a finite number"):
         uncertainty.fit_vector_scaling(logits, labels, bias_penalty=-1.0)
+    with pytest.raises(ValueError, match="`scale_penalty` must be a finite number"):
+        uncertainty.fit_dirichlet_scaling(logits, labels, scale_penalty=np.nan)
     with pytest.raises(ValueError, match="`off_diagonal_penalty`"):
         uncertainty.fit_dirichlet_scaling(logits, labels, off_diagonal_penalty=np.inf)
     with pytest.raises(ValueError, match="`iterations` must be an int >= 1"):

@@ -9,8 +9,15 @@ L-BFGS to the dtype's precision):
   parameters;
 * Dirichlet scaling (Kull et al., 2019): ``f(z) = W z + b``, the matrix
   scaling of the log-probabilities, ``C (C + 1)`` parameters, with their
-  off-diagonal and intercept regularisation (ODIR): ``off_diagonal_penalty
-  * mean_{i != j} W_ij^2 + bias_penalty * mean_c b_c^2`` added to the NLL.
+  off-diagonal and intercept regularisation (ODIR).
+
+The penalties added to the mean NLL: ``scale_penalty * mean_c (w_c -
+1)^2`` (``W``'s diagonal for Dirichlet scaling), ``bias_penalty * mean_c
+b_c^2`` and, for Dirichlet scaling, ``off_diagonal_penalty * mean_{i != j}
+W_ij^2``. The scale penalty is ours, not Kull et al.'s: on a held-out set
+where a class is never wrong the NLL falls without end as its scale grows
+(one temperature is bounded for the same reason), and a scale of hundreds
+fitted there is a test NLL of tens.
 
 Both start from the identity map (the predictive as it is), and every step of
 the fit lowers the objective, so the fitted map is never worse than none on
@@ -54,6 +61,15 @@ __all__ = [
     "fit_vector_scaling",
 ]
 
+#: The default weights of the penalties (see the module), chosen on the
+#: quality benchmark's MNIST-1D (300 held-out examples; four methods' test
+#: NLL) and checked on digits, where they keep every fit near one
+#: temperature's (without the scale penalty, vector scaling of a nearly
+#: separable held-out set drove scales to 500 and the test NLL from 0.07 to 17).
+SCALE_PENALTY: float = 0.1
+OFF_DIAGONAL_PENALTY: float = 10.0
+BIAS_PENALTY: float = 0.1
+
 
 def calibration_inputs(logits: jax.Array, members: bool) -> jax.Array:
     """``[E, B, C]`` member log-probabilities, or ``[1, B, C]`` the predictive's."""
@@ -83,7 +99,7 @@ def _unpack(kind: str, params: jax.Array, num_classes: int):
     return params[:split].reshape(num_classes, num_classes), params[split:]
 
 
-def _objective(kind, z, labels, off_diagonal_penalty, bias_penalty):
+def _objective(kind, z, labels, scale_penalty, off_diagonal_penalty, bias_penalty):
     """The regularised mean NLL of one map's flat parameters, on ``[B, C]``."""
     num_classes = z.shape[-1]
     mapping = _vector_map if kind == "vector" else _dirichlet_map
@@ -94,7 +110,9 @@ def _objective(kind, z, labels, off_diagonal_penalty, bias_penalty):
         mapped = mapping(z, first, biases)
         label_logit = jnp.take_along_axis(mapped, labels[:, None], axis=-1)[:, 0]
         nll = jnp.mean(jax.nn.logsumexp(mapped, axis=-1) - label_logit)
-        penalty = bias_penalty * jnp.mean(jnp.square(biases))
+        scales = first if kind == "vector" else jnp.diagonal(first)
+        penalty = scale_penalty * jnp.mean(jnp.square(scales - 1))
+        penalty += bias_penalty * jnp.mean(jnp.square(biases))
         if kind == "dirichlet" and num_classes > 1:
             square = jnp.sum(jnp.square(first) * off_diagonal)
             penalty += off_diagonal_penalty * square / (num_classes * (num_classes - 1))
@@ -104,7 +122,7 @@ def _objective(kind, z, labels, off_diagonal_penalty, bias_penalty):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "members", "iterations"))
-def _fit(logits, labels, off_diagonal_penalty, bias_penalty, kind, members, iterations):
+def _fit(logits, labels, penalties, kind, members, iterations):
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
     inputs = calibration_inputs(logits, members)  # [M, B, C]
     num_classes = inputs.shape[-1]
@@ -115,10 +133,7 @@ def _fit(logits, labels, off_diagonal_penalty, bias_penalty, kind, members, iter
         start = jnp.concatenate(
             [jnp.eye(num_classes, dtype=dtype).reshape(-1), jnp.zeros(num_classes)]
         )
-    penalties = (
-        jnp.asarray(off_diagonal_penalty, dtype),
-        jnp.asarray(bias_penalty, dtype),
-    )
+    penalties = [jnp.asarray(penalty, dtype) for penalty in penalties]
 
     def fit_one(z):
         objective = _objective(kind, z, labels, *penalties)
@@ -156,15 +171,16 @@ def fit_vector_scaling(
     labels: jax.Array,
     *,
     members: bool = False,
-    bias_penalty: float = 0.0,
+    scale_penalty: float = SCALE_PENALTY,
+    bias_penalty: float = BIAS_PENALTY,
     iterations: int = 200,
 ) -> tuple[jax.Array, jax.Array]:
     """Vector scaling's ``(scales, biases)``: ``softmax(w * log p + b)``.
 
     Fitted on held-out examples (never the test set you report) by
-    minimising the NLL plus ``bias_penalty * mean_c b_c^2``, from ``w = 1,
-    b = 0``; apply it with :func:`apply_vector_scaling`. See
-    :mod:`ensembles.uncertainty.calibrators`.
+    minimising the NLL plus ``scale_penalty * mean_c (w_c - 1)^2 +
+    bias_penalty * mean_c b_c^2``, from ``w = 1, b = 0``; apply it with
+    :func:`apply_vector_scaling`. See :mod:`ensembles.uncertainty.calibrators`.
 
     >>> import jax
     >>> import jax.numpy as jnp
@@ -186,6 +202,8 @@ def fit_vector_scaling(
       labels: their integer classes ``[B]``, in ``[0, C)``.
       members: one map per member, of its own softmax (static under
         :func:`jax.jit`).
+      scale_penalty: the weight of the scales' mean square distance from 1,
+        ``>= 0``.
       bias_penalty: the weight of the biases' mean square, ``>= 0``.
       iterations: the most L-BFGS steps (static); the fit stops sooner once
         converged.
@@ -205,8 +223,12 @@ def fit_vector_scaling(
     logits, labels, members, iterations = _fit_checked(
         logits, labels, members, iterations
     )
-    bias_penalty = _check_penalty(bias_penalty, "bias_penalty")
-    return _fit(logits, labels, 0.0, bias_penalty, "vector", members, iterations)
+    penalties = (
+        _check_penalty(scale_penalty, "scale_penalty"),
+        0.0,
+        _check_penalty(bias_penalty, "bias_penalty"),
+    )
+    return _fit(logits, labels, penalties, "vector", members, iterations)
 
 
 def fit_dirichlet_scaling(
@@ -214,8 +236,9 @@ def fit_dirichlet_scaling(
     labels: jax.Array,
     *,
     members: bool = False,
-    off_diagonal_penalty: float = 0.01,
-    bias_penalty: float = 0.01,
+    scale_penalty: float = SCALE_PENALTY,
+    off_diagonal_penalty: float = OFF_DIAGONAL_PENALTY,
+    bias_penalty: float = BIAS_PENALTY,
     iterations: int = 200,
 ) -> tuple[jax.Array, jax.Array]:
     """Dirichlet scaling's ``(weights, biases)``: ``softmax(W log p + b)``.
@@ -223,10 +246,10 @@ def fit_dirichlet_scaling(
     Dirichlet calibration (Kull et al., 2019), fitted on held-out examples by
     minimising the NLL plus its ODIR regularisation,
     ``off_diagonal_penalty * mean_{i != j} W_ij^2 + bias_penalty * mean_c
-    b_c^2``, from ``W = I, b = 0``; apply it with
-    :func:`apply_dirichlet_scaling`. Its ``C^2`` weights can learn which
-    classes the model confuses; the penalties keep them from fitting noise
-    where held-out examples are few.
+    b_c^2``, and ``scale_penalty * mean_c (W_cc - 1)^2``, from ``W = I, b =
+    0``; apply it with :func:`apply_dirichlet_scaling`. Its ``C^2`` weights
+    can learn which classes the model confuses; the penalties keep them from
+    fitting noise where held-out examples are few.
 
     >>> import jax
     >>> import jax.numpy as jnp
@@ -246,6 +269,8 @@ def fit_dirichlet_scaling(
       labels: their integer classes ``[B]``, in ``[0, C)``.
       members: one map per member, of its own softmax (static under
         :func:`jax.jit`).
+      scale_penalty: the weight of the diagonal's mean square distance
+        from 1, ``>= 0``.
       off_diagonal_penalty: the weight of the off-diagonal weights' mean
         square, ``>= 0``.
       bias_penalty: the weight of the biases' mean square, ``>= 0``.
@@ -264,17 +289,12 @@ def fit_dirichlet_scaling(
     logits, labels, members, iterations = _fit_checked(
         logits, labels, members, iterations
     )
-    off_diagonal_penalty = _check_penalty(off_diagonal_penalty, "off_diagonal_penalty")
-    bias_penalty = _check_penalty(bias_penalty, "bias_penalty")
-    return _fit(
-        logits,
-        labels,
-        off_diagonal_penalty,
-        bias_penalty,
-        "dirichlet",
-        members,
-        iterations,
+    penalties = (
+        _check_penalty(scale_penalty, "scale_penalty"),
+        _check_penalty(off_diagonal_penalty, "off_diagonal_penalty"),
+        _check_penalty(bias_penalty, "bias_penalty"),
     )
+    return _fit(logits, labels, penalties, "dirichlet", members, iterations)
 
 
 def check_fitted(

@@ -28,6 +28,7 @@ from ensembles.benchmark.quality.methods import (
     train_method,
 )
 from ensembles.benchmark.quality.models import build_quality_model
+from ensembles.benchmark.quality.regression.real_tasks import REAL_REGRESSION_TASKS
 from ensembles.benchmark.quality.report import MIN_GAP, format_quality, summarize
 from ensembles.benchmark.quality.run import split_validation
 from tests.tolerances import assert_close
@@ -729,7 +730,13 @@ def test_quality_without_mnist1d(capsys, monkeypatch):
     assert "--task mnist1d needs mnist1d" in capsys.readouterr().err
     # The regression tasks need no mnist1d.
     args = cli._parse(["--quality", "--quick", "--task", "regression"])
-    assert args.task == ("cubic", "hetero_sine_gap", "friedman1_hetero", "concrete")
+    assert args.task == (
+        "cubic",
+        "hetero_sine_gap",
+        "friedman1_hetero",
+        "concrete",
+        *REAL_REGRESSION_TASKS,
+    )
 
 
 @pytest.mark.slow

@@ -13,6 +13,9 @@ from ensembles.benchmark.quality.classification.mnist1d import (
     load_mnist1d_harsh_data,
     load_quality_data,
 )
+from ensembles.benchmark.quality.classification.real_tasks import (
+    REAL_CLASSIFICATION_TASKS,
+)
 from ensembles.benchmark.quality.classification.tasks import (
     DIGITS_SHIFTS,
     TABULAR_SHIFTS,
@@ -229,8 +232,8 @@ def test_loading_leaves_the_global_random_state_alone():
 
 def test_load_task():
     assert set(TASKS) == {"mnist1d", "digits", "tabular", "mnist1d_harsh"} | set(
-        REGRESSION_TASKS
-    )
+        REAL_CLASSIFICATION_TASKS
+    ) | set(REGRESSION_TASKS)
     assert not any(load_task(name).regression for name in ("digits", "tabular"))
     assert TASKS["mnist1d"] is load_quality_data
     assert load_task("digits") is load_digits_data()

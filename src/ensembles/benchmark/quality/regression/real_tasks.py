@@ -17,8 +17,8 @@ real task pool") has the table and what one model loses under each shift.
   premium maker come with it (11 inputs). Shift column ``trend`` (a time, the
   month): in distribution 1993 to June 1994 (months 1-18, 4,016 offers),
   shifted the second half of 1994, the first half of 1995 and July-November
-  1995 (months 19-24, 25-30, 31-35; 1,213, 809, 221). Picked for a time shift of the concept
-  itself: the same machine costs less every month.
+  1995 (months 19-24, 25-30, 31-35; 1,213, 809, 221). Picked for a time
+  shift of the concept itself: the same machine costs less every month.
 - ``gapminder``: health and income of 184 countries (``dslabs/gapminder``,
   7,139 complete country-years of 1960-2011): life expectancy in years from
   the logs of infant mortality, GDP per person and population, fertility and

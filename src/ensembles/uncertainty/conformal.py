@@ -10,13 +10,13 @@ does not survive a shift (``docs/regression.md`` measures by how much).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from ensembles._checks import check_array
 from ensembles.uncertainty import _regression as reg
+from ensembles.uncertainty._common import conformal_rank
 
 __all__ = ["conformal_interval", "fit_conformal_quantile"]
 
@@ -30,7 +30,7 @@ def _fit_conformal_quantile(means, stds, targets, level):
         sd > 0, error / jnp.where(sd > 0, sd, 1.0), jnp.where(error > 0, jnp.inf, 0.0)
     ).reshape(-1)
     count = score.shape[0]
-    rank = math.ceil((count + 1) * level)  # the finite-sample correction
+    rank = conformal_rank(count, level)  # the finite-sample correction
     if rank > count:
         quantile = jnp.asarray(jnp.inf, score.dtype)
     else:

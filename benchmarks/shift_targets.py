@@ -76,13 +76,21 @@ def _measures(row, calibration):
 
 def _stats(values):
     mean = statistics.fmean(values)
+    if not all(math.isfinite(v) for v in values):
+        return mean, math.nan, len(values)  # stdev raises on infinities
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return mean, std, len(values)
 
 
 def _beyond_noise(better, worse):
-    """Whether ``better``'s mean is below ``worse``'s by more than noise."""
+    """Whether ``better``'s mean is below ``worse``'s by more than noise.
+
+    An infinite mean (a seed whose NLL is infinite) is beyond noise of every
+    finite one; two infinite or NaN means are not told apart.
+    """
     (m_b, s_b, n_b), (m_w, s_w, n_w) = better, worse
+    if not (math.isfinite(m_b) and math.isfinite(m_w)):
+        return math.isfinite(m_b) and m_w == math.inf
     standard_error = math.sqrt(s_b**2 / n_b + s_w**2 / n_w)
     return m_w - m_b > max(MIN_GAP * abs(m_w), MIN_GAP_STANDARD_ERRORS * standard_error)
 

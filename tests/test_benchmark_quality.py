@@ -1120,3 +1120,18 @@ def test_an_independent_head_is_refused_where_no_model_is_converted(method):
     with pytest.raises(ValueError, match=rf"`independent_head=True`.*{method!r}"):
         train_method(method, "mlp", x, y, num_members=2, steps=1, start=start,
                      independent_head=True)  # fmt: skip
+
+
+def test_an_infinite_figure_in_a_seed_aggregates_without_raising():
+    # A calibrator that gives a label probability 0 makes that seed's NLL
+    # infinite: the summary says so (mean inf, spread undefined), and no
+    # gap is claimed from it; statistics.stdev raised on it.
+    import math
+
+    from ensembles.benchmark.quality import report
+
+    found = report._mean_std([1.0, math.inf, 2.0])
+    assert found["mean"] == math.inf and math.isnan(found["std"])
+    figures = {"nll": {"mean": math.inf, "std": math.nan}}
+    finite = {"nll": {"mean": 1.0, "std": 0.1}}
+    assert report._gap_closed(finite, figures, finite, (3, 3), "nll") is None

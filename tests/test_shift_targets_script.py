@@ -120,3 +120,13 @@ def test_one_pair_prints_its_tables_and_chooses_nothing(script, tmp_path, capsys
     out = capsys.readouterr().out
     assert "| held mlp |" in out
     assert "one pair only: no pair is left to choose on" in out
+
+
+def test_an_infinite_mean_is_beyond_noise_of_a_finite_one(script):
+    # A seed's infinite NLL (a calibrator giving a label probability 0):
+    # statistics.stdev raised on it; a finite mean now beats it.
+    infinite = script._stats([1.0, float("inf"), 2.0])
+    finite = script._stats([1.0, 1.1, 0.9])
+    assert script._beyond_noise(finite, infinite) is True
+    assert script._beyond_noise(infinite, finite) is False
+    assert script._beyond_noise(infinite, infinite) is False

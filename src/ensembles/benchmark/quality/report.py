@@ -46,6 +46,11 @@ def _mean_std(values: list[float | None]) -> dict[str, float | None]:
     if any(math.isnan(value) for value in values):
         # A diverged seed: no mean to give (statistics.stdev raises on NaN).
         return {"mean": math.nan, "std": math.nan}
+    if any(math.isinf(value) for value in values):
+        # An infinite figure (an NLL where a calibrator gave the label
+        # probability 0): the mean is infinite (NaN if of both signs), the
+        # spread undefined (statistics.stdev raises on infinities).
+        return {"mean": statistics.fmean(values), "std": math.nan}
     return {
         "mean": statistics.fmean(values),
         "std": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -171,13 +176,14 @@ def _gap_closed(
     single: dict, ensemble: dict, deep: dict, seeds: tuple[int, int], metric: str
 ) -> float | None:
     means = [e[metric]["mean"] for e in (single, ensemble, deep)]
-    if any(mean is None or math.isnan(mean) for mean in means):
-        return None  # a diverged method: no ratio to give
+    if any(mean is None or not math.isfinite(mean) for mean in means):
+        return None  # a diverged method or an infinite NLL: no ratio to give
     gap = means[0] - means[2]
     standard_error = math.sqrt(
         single[metric]["std"] ** 2 / seeds[0] + deep[metric]["std"] ** 2 / seeds[1]
     )
-    if gap <= max(MIN_GAP * abs(means[0]), MIN_GAP_STANDARD_ERRORS * standard_error):
+    noise = max(MIN_GAP * abs(means[0]), MIN_GAP_STANDARD_ERRORS * standard_error)
+    if not math.isfinite(standard_error) or gap <= noise:
         return None  # no gap to close that the seeds can tell from noise
     return (means[0] - means[1]) / gap
 

@@ -37,7 +37,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from ensembles.experimental.pallas import budget, mosaic_gpu, mosaic_tpu, triton
+from ensembles.experimental.pallas import (
+    budget,
+    mosaic_gpu,
+    mosaic_gpu_backward,
+    mosaic_tpu,
+    triton,
+)
 from ensembles.experimental.pallas.blocks import BlockSizes, pad_to, tiling
 from ensembles.experimental.pallas.checks import check_dtypes, check_interpret
 from ensembles.experimental.pallas.common import KernelConfig, Wanted
@@ -207,10 +213,6 @@ def _reference_backward(x3, w, r, s, g3, config, wanted):
 
 def _dispatch(config: FusedConfig, run_family, reference, *args):
     """Runs ``run_family(family, *args, config, interpret)`` for the platform."""
-    if config.family == "hopper":
-        # Only _fused_bwd gets here: the Hopper family has a forward kernel
-        # only, its gradient is the reference's.
-        return reference(*args, config)
     if config.family is not None:
         # A named family runs interpreted: in the TPU simulator when given its
         # parameters, in Pallas' generic interpreter otherwise.
@@ -300,6 +302,12 @@ def _fused_bwd(config: FusedConfig, residuals: _Residuals, g3):
         return None, None, None, None, None
     x3, w, r, s = residuals.operands
     wanted = residuals.wanted
+    if config.family == "hopper":
+        kernel_config = config.kernel_config(config.interpret)
+        dx3, dw, dr, ds = mosaic_gpu_backward.backward(
+            x3, w, r, s, g3, kernel_config, wanted
+        )
+        return _cotangents(residuals, g3, dx3, dw, dr, ds)
 
     def family_backward(family, x3, w, r, s, g3, config, interpret):
         return _family_backward(family, x3, w, r, s, g3, config, interpret, wanted)
@@ -308,6 +316,12 @@ def _fused_bwd(config: FusedConfig, residuals: _Residuals, g3):
         return _reference_backward(x3, w, r, s, g3, config, wanted)
 
     dx3, dw, dr, ds = _dispatch(config, family_backward, reference, x3, w, r, s, g3)
+    return _cotangents(residuals, g3, dx3, dw, dr, ds)
+
+
+def _cotangents(residuals: _Residuals, g3, dx3, dw, dr, ds):
+    """The five cotangents in the operands' dtypes; ``dbias`` a sum over rows."""
+    x3, _, r, s = residuals.operands
     dbias = None
     if residuals.bias_wanted:
         dbias = jnp.sum(g3.astype(jnp.float32), axis=1).astype(x3.dtype)

@@ -1,4 +1,9 @@
-"""The Hopper family: a Mosaic GPU forward kernel (warpgroup MMA, TMA pipeline).
+"""The Hopper family: its forward kernel (Mosaic GPU: warpgroup MMA, TMA pipeline).
+
+The backward kernels are in :mod:`.mosaic_gpu_backward` and
+:mod:`.mosaic_gpu_kernel_grad`; this module holds what the three share: the
+tile constants and extents, the SMEM transforms, the persistent grid's size and
+the interpreter's options.
 
 Status: **not yet run on a GPU.** It runs in jax's Mosaic GPU interpreter on
 CPU (jax >= 0.12, uninitialised memory poisoned with NaN, out-of-bounds reads
@@ -47,7 +52,9 @@ from ensembles.experimental.pallas.common import KernelConfig
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "BackwardTiles",
     "HopperTiles",
+    "backward_tiles",
     "check_dtype",
     "forward",
     "hopper_tiles",
@@ -114,6 +121,58 @@ def hopper_tiles(rows: int, in_features: int, out_features: int, dtype) -> Hoppe
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """One problem's backward tiles and padded extents.
+
+    Attributes:
+      in_tile_n: input features of one compute warpgroup's input-gradient tile.
+      out_tile_n: output features of one compute warpgroup's kernel-gradient
+        tile.
+      tile_k: output features per input-gradient pipeline step and rows per
+        kernel-gradient step (128 bytes: the largest swizzle; ``wgmma``
+        steps through its reduction one swizzle width at a time).
+      rows: rows of one member, padded to ``TILE_M`` (and to two steps where
+        a single member has 64 rows: every pipeline runs at least ``STAGES``
+        steps).
+      in_features: padded to ``2 * in_tile_n`` (a multiple of ``TILE_M``).
+      out_features: padded to ``2 * out_tile_n``, at least ``STAGES`` steps.
+    """
+
+    in_tile_n: int
+    out_tile_n: int
+    tile_k: int
+    rows: int
+    in_features: int
+    out_features: int
+
+
+def backward_tiles(
+    num_members: int, rows: int, in_features: int, out_features: int, dtype
+) -> BackwardTiles:
+    """The backward tiles of one problem: 128-wide warpgroup tiles where they fit.
+
+    >>> backward_tiles(2, 130, 100, 48, jnp.bfloat16)
+    BackwardTiles(in_tile_n=64, out_tile_n=64, tile_k=64, rows=192, in_features=128, out_features=128)
+    >>> backward_tiles(1, 64, 512, 512, jnp.bfloat16).rows
+    128
+    """  # noqa: E501
+    in_tile_n = 128 if in_features > 128 else EPILOGUE_N
+    out_tile_n = 128 if out_features > 128 else EPILOGUE_N
+    tile_k = 128 // jnp.dtype(dtype).itemsize
+    padded_rows = round_up(rows, TILE_M)
+    if num_members * padded_rows < STAGES * tile_k:
+        padded_rows = round_up(padded_rows, STAGES * tile_k)
+    return BackwardTiles(
+        in_tile_n=in_tile_n,
+        out_tile_n=out_tile_n,
+        tile_k=tile_k,
+        rows=padded_rows,
+        in_features=round_up(in_features, 2 * in_tile_n),
+        out_features=round_up(max(out_features, STAGES * tile_k), 2 * out_tile_n),
+    )
+
+
 def is_hopper(device) -> bool:
     """Whether ``device`` is a Hopper GPU (compute capability 9.x).
 
@@ -124,7 +183,7 @@ def is_hopper(device) -> bool:
     return device.platform == "gpu" and capability.split(".")[0] == "9"
 
 
-def _swizzled(block_minor: int, dtype, role: str) -> tuple:
+def swizzled(block_minor: int, dtype, role: str) -> tuple:
     """SMEM transforms of a tile whose minor axis holds ``block_minor`` elements."""
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(block_minor * bits, role)
@@ -134,7 +193,7 @@ def _swizzled(block_minor: int, dtype, role: str) -> tuple:
     )
 
 
-def _num_programs(interpret) -> int:
+def num_programs(interpret) -> int:
     """Programs of the persistent grid: one per streaming multiprocessor."""
     if interpret is not False:
         return INTERPRET_PROGRAMS
@@ -171,13 +230,13 @@ def _kernel_body(
                 plgpu.BlockSpec(
                     (TILE_M, tile_k),
                     lambda k: (0, k),
-                    transforms=_swizzled(tile_k, dtype, "lhs"),
+                    transforms=swizzled(tile_k, dtype, "lhs"),
                     memory_space=plgpu.SMEM,
                 ),
                 plgpu.BlockSpec(
                     (tile_k, cta_n),
                     lambda k: (k, 0),
-                    transforms=_swizzled(tile_n, dtype, "rhs"),
+                    transforms=swizzled(tile_n, dtype, "rhs"),
                     memory_space=plgpu.SMEM,
                 ),
                 plgpu.BlockSpec((tile_k,), lambda k: (k,), memory_space=plgpu.SMEM),
@@ -268,10 +327,37 @@ def _kernel_body(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params(interpret):
-    """``interpret`` if it is the interpreter's parameters, else the poisoned ones."""
+def member_vector(vector_smem, layout, shape, dims):
+    """A ``[D]`` vector from SMEM, in ``layout``, broadcast to ``shape``."""
+    value = plgpu.layout_cast(vector_smem[...], layout).astype(jnp.float32)
+    return lax.broadcast_in_dim(value, shape, dims)
+
+
+def store_tile(out_smem, wg, tile, dst):
+    """Stores a ``[TILE_M, n]`` register tile to the GMEM window ``dst``.
+
+    Through SMEM, ``EPILOGUE_N`` columns at a time, alternating two buffers.
+    """
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for j in range(tile.shape[1] // EPILOGUE_N):
+        slot = j % 2
+        columns = pl.ds(j * EPILOGUE_N, EPILOGUE_N)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        out_smem[wg, slot] = tile[:, j * EPILOGUE_N : (j + 1) * EPILOGUE_N]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[:, columns])
+
+
+def interpret_options(interpret) -> dict:
+    """``plgpu.kernel``'s keyword for ``interpret``: none when compiled.
+
+    ``True`` gives the interpreter's poisoned parameters, an
+    ``InterpretGPUParams`` (``fused_dense`` checked its type) is passed on.
+    """
+    if interpret is False:
+        return {}
     if interpret is not True:
-        return interpret  # fused_dense checked it is an InterpretGPUParams
+        return {"interpret": interpret}
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:
         raise NotImplementedError(
@@ -282,9 +368,11 @@ def _interpret_params(interpret):
         )
     # NaN for memory no one wrote, an error for a read out of bounds, and a
     # race detector: a kernel bug fails here rather than reading zeros.
-    return params(
-        detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise"
-    )
+    return {
+        "interpret": params(
+            detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise"
+        )
+    }
 
 
 def check_dtype(dtype) -> None:
@@ -335,7 +423,7 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
         out_type=jax.ShapeDtypeStruct(
             (num_members, tiles.rows, tiles.out_features), out_dtype
         ),
-        grid=(_num_programs(config.interpret),),
+        grid=(num_programs(config.interpret),),
         grid_names=("programs",),
         num_threads=3,
         thread_name="wg",
@@ -346,21 +434,17 @@ def forward(x3, w, r, s, bias, config: KernelConfig):
             "out_smem": plgpu.SMEM(
                 (2, 2, TILE_M, EPILOGUE_N),
                 out_dtype,
-                transforms=_swizzled(EPILOGUE_N, out_dtype, "out"),
+                transforms=swizzled(EPILOGUE_N, out_dtype, "out"),
             ),
             "xr_smem": plgpu.SMEM(
                 (2, TILE_M, tiles.tile_k),
                 x3.dtype,
-                transforms=_swizzled(tiles.tile_k, x3.dtype, "lhs"),
+                transforms=swizzled(tiles.tile_k, x3.dtype, "lhs"),
             ),
             "sb_smem": plgpu.SMEM((2, 2, tiles.tile_n), x3.dtype),
             "sb_barrier": plgpu.Barrier(num_arrivals=1, num_barriers=4),
         },
-        **(
-            {}
-            if config.interpret is False
-            else {"interpret": _interpret_params(config.interpret)}
-        ),
+        **interpret_options(config.interpret),
     )
     y3 = kernel(*operands)
     return y3[:, :rows, :out_features]

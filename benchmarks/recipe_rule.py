@@ -173,6 +173,7 @@ def report(pairs, variants, calibrations):
                 f"{'yes' if result['strong'] else 'no'} | {' | '.join(marks)} | "
                 f"{sum(result[t] for t in TARGETS)}/{len(TARGETS)} |"
             )
+    print("\n" + done_summary(choices))
     counts = {}
     for recipe, _ in choices.values():
         counts[recipe] = counts.get(recipe, 0) + 1
@@ -184,6 +185,32 @@ def report(pairs, variants, calibrations):
             f"{' + '.join(recommended)}"
         )
     return choices
+
+
+def done_summary(choices):
+    """Issue 68's done criteria over the held-out tasks, each at its choice.
+
+    Strong-shift tasks where BatchEnsemble's shift NLL is below one model's
+    beyond noise (the target: at least 80%), tasks where it is worse beyond
+    noise (none), gaps closed by half, in-distribution NLLs, calibration.
+    """
+    results = [r for _, here in choices.values() for r in here.values() if r]
+    strong = [r for r in results if r["strong"]]
+    lines = [
+        f"Over {len(results)} held-out pairs ({len(strong)} with a strong shift):",
+        f"- shift NLL below one model's beyond noise: "
+        f"{sum(r['shift_win'] for r in strong)} of {len(strong)} strong shifts",
+        f"- shift NLL above one model's beyond noise: "
+        f"{sum(not r['shift_not_worse'] for r in results)} of {len(results)}",
+        f"- half the gap to the deep ensemble (where there is one): "
+        f"{sum(r['gap'] for r in results)} of {len(results)}",
+        f"- in-distribution NLL not worse: {sum(r['nll'] for r in results)} "
+        f"of {len(results)}",
+        f"- calibration (ECE within {ECE_SLACK} / 90% coverage "
+        f"{COVERAGE[0]}-{COVERAGE[1]}): {sum(r['calibration'] for r in results)} "
+        f"of {len(results)}",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv=None):

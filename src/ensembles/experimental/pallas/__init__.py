@@ -23,9 +23,10 @@ Modules, one concern each:
 * :mod:`.mosaic_tpu`: the TPU family (Mosaic).
 * :mod:`.budget`: each kernel's shared memory or VMEM, the chips' budgets and
   the target chip; tiles that do not fit are refused when chosen.
-* :mod:`.mosaic_gpu`: a Hopper forward kernel (Mosaic GPU), run by
-  ``fused_dense(..., family="hopper")``; no platform picks it until it is
-  measured on a GPU.
+* :mod:`.mosaic_gpu`, :mod:`.mosaic_gpu_backward`,
+  :mod:`.mosaic_gpu_kernel_grad`: the Hopper family (Mosaic GPU), forward and
+  backward, run by ``fused_dense(..., family="hopper")``; no platform picks
+  it until it is measured on a GPU.
 * :mod:`.checks`: the dtype and interpreter checks.
 * :mod:`.fused`: the per-platform family choice, padding and slicing, and
   the ``jax.custom_vjp``.

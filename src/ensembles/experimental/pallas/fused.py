@@ -9,10 +9,10 @@
 * any other platform (e.g. ROCm, never run): the ``jnp`` formulation
   :func:`dense_reference`.
 
-:mod:`.mosaic_gpu` (Hopper, bfloat16, forward only) runs only where asked for
-(``family="hopper"``): compiled with ``interpret=False``, in jax's Mosaic GPU
-interpreter otherwise; its gradient is :func:`dense_reference`'s. It has not
-run on a GPU yet, so no platform picks it.
+:mod:`.mosaic_gpu` (Hopper, bfloat16; its backward in
+:mod:`.mosaic_gpu_backward`) runs only where asked for (``family="hopper"``):
+compiled with ``interpret=False``, in jax's Mosaic GPU interpreter otherwise.
+It has not run on a GPU yet, so no platform picks it.
 
 Every family runs on operands zero-padded to its :class:`~.blocks.Tiling`
 (:func:`_pad_operands`), and the results are sliced back, so no kernel touches memory
@@ -54,7 +54,7 @@ _FAMILIES = {"gpu": triton, "tpu": mosaic_tpu}
 
 #: The kernel families :func:`fused_dense` can be asked for by name
 #: (``family=``): ``"gpu"`` (Triton), ``"tpu"`` (Mosaic TPU), ``"hopper"``
-#: (Mosaic GPU, forward only). ``None`` picks the platform's.
+#: (Mosaic GPU, bfloat16). ``None`` picks the platform's.
 FAMILIES: tuple[str, ...] = ("gpu", "tpu", "hopper")
 
 
@@ -384,10 +384,10 @@ def fused_dense(
         VMEM are refused here (``docs/fused_kernel.md``).
       family: one of :data:`FAMILIES` to run that kernel family instead of the
         platform's: ``"gpu"`` or ``"tpu"`` interprets it (tests run both on
-        CPU this way); ``"hopper"`` runs the Mosaic GPU forward kernel of
-        :mod:`.mosaic_gpu` (bfloat16; compiled with ``interpret=False``, for a
-        Hopper GPU; in jax's Mosaic GPU interpreter otherwise, jax >= 0.12;
-        its gradient is :func:`dense_reference`'s). Not yet run on a GPU.
+        CPU this way); ``"hopper"`` runs the Mosaic GPU kernels of
+        :mod:`.mosaic_gpu` and :mod:`.mosaic_gpu_backward` (bfloat16;
+        compiled with ``interpret=False``, for a Hopper GPU; in jax's Mosaic
+        GPU interpreter otherwise, jax >= 0.12). Not yet run on a GPU.
 
     Returns:
       The ``[E*B, ..., out_features]`` outputs.

@@ -66,14 +66,14 @@ SUPPORTED_DTYPES: tuple[jnp.dtype, ...] = (jnp.dtype(jnp.bfloat16),)
 
 #: Rows of one compute warpgroup's tile: ``wgmma``'s M.
 TILE_M = 64
-#: Buffers of the TMA pipeline. jax's Hopper matmul runs 4; with this kernel's
-#: third pipelined operand (the ``r`` window), jax 0.12.0.1's Mosaic GPU
-#: interpreter completed every test with 2 buffers and hung (a barrier never
-#: completing its phase) with 1, 3 or 4, and with a one-step reduction when one
-#: program walks several tiles. The cause, in the kernel or the interpreter, is
-#: not found; so the kernel runs what was verified: 2 buffers, and at least
-#: 2 steps (input features padded to ``2 * tile_k``). Deeper pipelines are to
-#: be tried on a GPU (``docs/fused_kernel.md``).
+#: Buffers of the TMA pipeline. jax's Hopper matmul runs 4. jax 0.12.0.1's
+#: Mosaic GPU interpreter hung here with 1, 3 or 4 (a barrier never completing
+#: its phase): on a 2-core machine it runs the warpgroups' callbacks on XLA's
+#: CPU thread pool, where a waiting warpgroup can starve the one that would
+#: arrive. With 8 host devices (a wider pool) the forward ran correctly with
+#: 1, 3 and 4 buffers (2026-11-29). The kernels keep the 2 first verified, and
+#: at least 2 steps (input features padded to ``2 * tile_k``); deeper pipelines
+#: are for a GPU to choose (``docs/fused_kernel.md``).
 STAGES = 2
 #: Columns of one epilogue store.
 EPILOGUE_N = 64

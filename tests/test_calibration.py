@@ -1,4 +1,4 @@
-"""Temperature scaling (ensembles.uncertainty.calibration) against float64 numpy."""
+"""Temperature scaling (uncertainty/classification/calibration.py) against float64."""
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,7 @@ from scipy.optimize import minimize
 from scipy.special import log_softmax, logsumexp
 
 from ensembles import uncertainty
-from ensembles.uncertainty.calibrators import calibration_inputs
+from ensembles.uncertainty.classification.calibrators import calibration_inputs
 
 
 def miscalibrated(num_members=3, num_examples=400, num_classes=5, seed=0):

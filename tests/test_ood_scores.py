@@ -1,4 +1,4 @@
-"""The OOD scores of ensembles.uncertainty.ood_scores, and aurc/augrc by a score.
+"""The OOD scores of uncertainty.classification.ood_scores, and aurc/augrc by one.
 
 References: float64 numpy, one formula at a time, member by member.
 """

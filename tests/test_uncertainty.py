@@ -422,6 +422,95 @@ def test_module_is_exported():
         assert callable(getattr(uncertainty, name))
 
 
+#: ``ensembles.uncertainty.__all__`` before the package was split by task kind
+#: (issue 70): the flat face every user program imports from, unchanged.
+FLAT_FACE = [
+    "accuracy",
+    "adaptive_ece",
+    "aleatoric_variance",
+    "apply_dirichlet_scaling",
+    "apply_isotonic",
+    "apply_vector_scaling",
+    "augrc",
+    "aupr",
+    "aurc",
+    "auroc",
+    "brier",
+    "conformal_interval",
+    "conformal_mixture_interval",
+    "conformal_sets",
+    "crps",
+    "disagreement",
+    "ece",
+    "energy_score",
+    "epistemic_variance",
+    "expected_entropy",
+    "fit_adaptive_temperature",
+    "fit_conformal_margin",
+    "fit_conformal_quantile",
+    "fit_conformal_threshold",
+    "fit_dirichlet_scaling",
+    "fit_ensemble_temperature",
+    "fit_isotonic",
+    "fit_member_std_scales",
+    "fit_member_temperatures",
+    "fit_spread_scales",
+    "fit_std_scale",
+    "fit_temperature",
+    "fit_vector_scaling",
+    "fpr_at_tpr",
+    "interval_coverage",
+    "interval_score",
+    "interval_width",
+    "mae",
+    "margin_score",
+    "max_logit_score",
+    "max_probability_score",
+    "mce",
+    "mixture_cdf",
+    "mixture_interval",
+    "mixture_log_density",
+    "mixture_mean",
+    "mixture_nll",
+    "mixture_quantile",
+    "mixture_variance",
+    "moment_matched_nll",
+    "mutual_information",
+    "nll",
+    "noisy_copies",
+    "pairwise_disagreement",
+    "pairwise_gaussian_kl",
+    "pairwise_kl",
+    "pit_calibration_error",
+    "predictive_probs",
+    "rmse",
+    "scale_adaptive_temperature",
+    "scale_ensemble_temperature",
+    "scale_member_stds",
+    "scale_member_temperatures",
+    "scale_spread",
+    "scale_std",
+    "scale_temperature",
+    "set_coverage",
+    "set_size",
+    "spread_error_correlation",
+    "total_entropy",
+    "variance",
+]
+
+
+def test_the_flat_face_is_unchanged_and_the_kinds_split_it():
+    assert uncertainty.__all__ == FLAT_FACE
+    kinds = (uncertainty.classification, uncertainty.regression)
+    shared = {"auroc", "aupr", "fpr_at_tpr", "noisy_copies"}
+    for kind in kinds:
+        assert kind.__all__ == sorted(kind.__all__)
+        for name in kind.__all__:
+            assert getattr(kind, name) is getattr(uncertainty, name), name
+    names = [name for kind in kinds for name in kind.__all__]
+    assert sorted([*names, *shared]) == FLAT_FACE  # each name in one place
+
+
 # ------------------------------------------------------------------ bad inputs
 
 

@@ -35,13 +35,10 @@ from ensembles.benchmark.quality.regression.scores import (
     TargetScale,
     evaluate_regression,
 )
-from ensembles.uncertainty import (
-    calibration,
-    conformal,
-    regression,
-    regression_calibration,
-    regression_scores,
-)
+from ensembles.uncertainty import classification, regression
+from ensembles.uncertainty.classification import calibration
+from ensembles.uncertainty.regression import calibration as regression_calibration
+from ensembles.uncertainty.regression import conformal, metrics, mixture
 
 # --- 1. jit equals eager -------------------------------------------------------------
 
@@ -83,6 +80,8 @@ CASES = {
     "scale_member_stds": (("means", "stds"), [0.5, 1.0, 2.0]),
     "fit_conformal_quantile": (("means", "stds", "targets"), 0.8),
     "conformal_interval": (("means", "stds"), 1.3),
+    "fit_conformal_margin": (("means", "stds", "targets"), 0.8),
+    "conformal_mixture_interval": (("means", "stds"), 0.3),
     "fit_temperature": (("logits", "labels"), None),
     "fit_member_temperatures": (("logits", "labels"), None),
     "scale_temperature": (("logits",), 1.7),
@@ -96,6 +95,7 @@ TRACEABLE = {
     "scale_std",
     "scale_member_stds",
     "conformal_interval",
+    "conformal_mixture_interval",
     "scale_temperature",
     "scale_member_temperatures",
 }
@@ -108,8 +108,13 @@ SCALAR_FORMS = {
 
 
 def test_the_table_covers_every_regression_and_calibration_function():
-    modules = (regression, regression_scores, regression_calibration, conformal)
-    names = {name for module in (*modules, calibration) for name in module.__all__}
+    modules = (mixture, metrics, regression_calibration, conformal, calibration)
+    names = {
+        name
+        for kind in (classification, regression)
+        for name in kind.__all__
+        if getattr(kind, name).__module__ in {module.__name__ for module in modules}
+    }
     assert names == set(CASES), names ^ set(CASES)
 
 

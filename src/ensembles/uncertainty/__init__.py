@@ -1,17 +1,18 @@
 """Predictive statistics and metrics of an ensemble, from its members' outputs.
 
-A classifier's functions take the members' logits as one ``[E, B, C]`` array
-(members, examples, classes), the layout :func:`ensembles.untile` gives a
-model's member-major ``[E*B, C]`` outputs. The ensemble's prediction is the
-mean of the member softmaxes, the predictive ``p(y | x) = 1/E sum_k p_k(y |
-x)``. A regressor's functions (:mod:`~ensembles.uncertainty.regression`,
-:mod:`~ensembles.uncertainty.regression_scores`,
-:mod:`~ensembles.uncertainty.regression_calibration`) take the members'
-means and standard deviations ``[E, B]`` or ``[E, B, D]`` and score their
-exact uniform mixture; one-output logits ``[E, B, 1]`` are refused by every
+A classifier's functions (:mod:`ensembles.uncertainty.classification`) take
+the members' logits as one ``[E, B, C]`` array (members, examples, classes),
+the layout :func:`ensembles.untile` gives a model's member-major ``[E*B, C]``
+outputs. The ensemble's prediction is the mean of the member softmaxes, the
+predictive ``p(y | x) = 1/E sum_k p_k(y | x)``. A regressor's functions
+(:mod:`ensembles.uncertainty.regression`) take the members' means and
+standard deviations ``[E, B]`` or ``[E, B, D]`` and score their exact
+uniform mixture; one-output logits ``[E, B, 1]`` are refused by every
 classification function, which would otherwise return a constant (a softmax
-over one class), and the error names the regression functions. The rest of
-this page is about classifiers.
+over one class), and the error names the regression functions. Both kinds
+rank scores with :func:`auroc`, :func:`aupr` and :func:`fpr_at_tpr` and
+perturb held-out inputs with :func:`noisy_copies`. Every public name of the
+two sub-packages is here too. The rest of this page is about classifiers.
 
 Its uncertainty splits into two parts::
 
@@ -81,94 +82,83 @@ Array([0.  , 0.69], dtype=float32)
 
 from __future__ import annotations
 
-from ensembles.uncertainty.calibration import (
-    fit_member_temperatures,
-    fit_temperature,
-    scale_member_temperatures,
-    scale_temperature,
-)
-from ensembles.uncertainty.calibrators import (
-    apply_dirichlet_scaling,
-    apply_vector_scaling,
-    fit_dirichlet_scaling,
-    fit_vector_scaling,
-)
-from ensembles.uncertainty.conformal import conformal_interval, fit_conformal_quantile
-from ensembles.uncertainty.conformal_sets import (
-    conformal_sets,
-    fit_conformal_threshold,
-    set_coverage,
-    set_size,
-)
-from ensembles.uncertainty.ensemble_calibration import (
-    fit_adaptive_temperature,
-    fit_ensemble_temperature,
-    scale_adaptive_temperature,
-    scale_ensemble_temperature,
-)
-from ensembles.uncertainty.isotonic import apply_isotonic, fit_isotonic
-from ensembles.uncertainty.metrics import (
+from ensembles.uncertainty.classification import (
     accuracy,
     adaptive_ece,
-    auroc,
+    apply_dirichlet_scaling,
+    apply_isotonic,
+    apply_vector_scaling,
+    augrc,
+    aurc,
     brier,
+    conformal_sets,
+    disagreement,
     ece,
-    mce,
-    nll,
-)
-from ensembles.uncertainty.ood import aupr, fpr_at_tpr
-from ensembles.uncertainty.ood_scores import (
     energy_score,
+    expected_entropy,
+    fit_adaptive_temperature,
+    fit_conformal_threshold,
+    fit_dirichlet_scaling,
+    fit_ensemble_temperature,
+    fit_isotonic,
+    fit_member_temperatures,
+    fit_temperature,
+    fit_vector_scaling,
     margin_score,
     max_logit_score,
     max_probability_score,
+    mce,
+    mutual_information,
+    nll,
+    pairwise_disagreement,
+    pairwise_kl,
+    predictive_probs,
+    scale_adaptive_temperature,
+    scale_ensemble_temperature,
+    scale_member_temperatures,
+    scale_temperature,
+    set_coverage,
+    set_size,
+    total_entropy,
+    variance,
+)
+from ensembles.uncertainty.ood import (
+    aupr,
+    auroc,
+    fpr_at_tpr,
 )
 from ensembles.uncertainty.perturbations import noisy_copies
 from ensembles.uncertainty.regression import (
     aleatoric_variance,
-    epistemic_variance,
-    mixture_cdf,
-    mixture_interval,
-    mixture_log_density,
-    mixture_mean,
-    mixture_quantile,
-    mixture_variance,
-    pairwise_gaussian_kl,
-)
-from ensembles.uncertainty.regression_calibration import (
-    fit_member_std_scales,
-    fit_std_scale,
-    scale_member_stds,
-    scale_std,
-)
-from ensembles.uncertainty.regression_conformal import (
+    conformal_interval,
     conformal_mixture_interval,
-    fit_conformal_margin,
-)
-from ensembles.uncertainty.regression_scores import (
     crps,
+    epistemic_variance,
+    fit_conformal_margin,
+    fit_conformal_quantile,
+    fit_member_std_scales,
+    fit_spread_scales,
+    fit_std_scale,
     interval_coverage,
     interval_score,
     interval_width,
     mae,
+    mixture_cdf,
+    mixture_interval,
+    mixture_log_density,
+    mixture_mean,
     mixture_nll,
+    mixture_quantile,
+    mixture_variance,
     moment_matched_nll,
+    pairwise_gaussian_kl,
     pit_calibration_error,
     rmse,
+    scale_member_stds,
+    scale_spread,
+    scale_std,
     spread_error_correlation,
 )
-from ensembles.uncertainty.regression_spread import fit_spread_scales, scale_spread
-from ensembles.uncertainty.scores import (
-    disagreement,
-    expected_entropy,
-    mutual_information,
-    pairwise_disagreement,
-    pairwise_kl,
-    predictive_probs,
-    total_entropy,
-    variance,
-)
-from ensembles.uncertainty.selective import augrc, aurc
 
 __all__ = [
     "accuracy",

@@ -1,6 +1,6 @@
 """A jit-able L-BFGS for the calibrators' small, smooth, convex fits.
 
-The calibrators of :mod:`ensembles.uncertainty.calibrators` minimise a
+The calibrators of :mod:`ensembles.uncertainty.classification.calibrators` minimise a
 regularised NLL of a few to a few thousand parameters. The runtime depends on
 JAX alone (no optax, no jax.scipy.optimize, whose BFGS keeps an ``n x n``
 inverse Hessian), so this is the textbook method (Nocedal & Wright, 2006,

@@ -23,8 +23,6 @@ import numpy as np
 
 from ensembles._checks import as_array, check_array, check_real, known_values
 
-__all__ = ["noisy_copies"]
-
 
 def noisy_copies(
     inputs: Any,

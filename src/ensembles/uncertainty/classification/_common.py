@@ -1,9 +1,10 @@
-"""Private helpers shared by :mod:`ensembles.uncertainty`'s scores and metrics.
+"""Private helpers of :mod:`ensembles.uncertainty.classification`.
 
-Input checks (logits, labels, scores), the log-space probability helpers, the
-marking of invalid examples (:func:`_split_invalid`) whose results are poisoned
-with NaN (:func:`_poison`, :func:`_poison_all`), and the tie-averaged running
-count (:func:`_tie_averaged_cumsum`) of the sort-based metrics.
+Input checks (logits, labels), the log-space probability helpers, the marking
+of invalid examples (:func:`_split_invalid`) whose results are poisoned with
+NaN (:func:`_poison`; an aggregate's: the shared ``poison_all``), and the
+tie-averaged running count (:func:`_tie_averaged_cumsum`) of the sort-based
+metrics.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import dtypes
 
-from ensembles._checks import as_array, check_array, check_labels
+from ensembles._checks import as_array, check_labels
 
 # --------------------------------------------------------------------------- checks
 
@@ -116,97 +116,6 @@ def _check_labels(labels: jax.Array, logits: jax.Array) -> jax.Array:
     return labels
 
 
-def _check_scores(scores: jax.Array, name: str) -> jax.Array | np.ndarray:
-    """Returns ``scores`` as a non-empty real 1-D array, in their own dtype.
-
-    A numpy array (or list) stays numpy: ``jnp.asarray`` would truncate
-    64-bit scores without x64, and :func:`_joint_ranks` ranks known scores
-    with numpy.
-    """
-    scores = check_array(scores, name)
-    if hasattr(scores, "__jax_array__"):
-        scores = jnp.asarray(scores)
-    elif not isinstance(scores, jax.Array):
-        scores = np.asarray(scores)
-    if not (
-        jnp.issubdtype(scores.dtype, jnp.floating)
-        or jnp.issubdtype(scores.dtype, jnp.integer)
-        or jnp.issubdtype(scores.dtype, jnp.bool_)
-    ):
-        raise TypeError(
-            f"`{name}` must hold real-valued scores, got dtype {scores.dtype}."
-        )
-    if len(scores.shape) != 1:
-        raise ValueError(
-            f"`{name}` must be a 1-D array of per-example scores, got shape "
-            f"{tuple(scores.shape)}: flatten it with `{name}.reshape(-1)`."
-        )
-    if scores.shape[0] == 0:
-        raise ValueError(
-            f"`{name}` must hold at least one score, got an empty array: ranking "
-            "needs both in-distribution and out-of-distribution examples."
-        )
-    return scores
-
-
-def _joint_ranks(
-    in_scores: jax.Array | np.ndarray, out_scores: jax.Array | np.ndarray
-) -> tuple[jax.Array, jax.Array, jax.Array, np.dtype]:
-    """Both sets of scores as int32 ranks in their joint order, exactly.
-
-    A score's rank is the number of scores (of either set) strictly below it,
-    so equal scores share a rank and any two scores compare as their ranks
-    do: the OOD metrics count with the ranks. Known scores are ranked by
-    numpy in the dtype numpy concatenates them to (as scikit-learn compares
-    them): integers as integers, float64 as float64, whatever
-    ``jax_enable_x64`` says. Traced scores (under :func:`jax.jit`) are ranked
-    in the dtype JAX promotes the two arrays to, which is where the two can
-    differ: JAX holds 64-bit inputs as 32-bit without x64, and compares int32
-    with float32 scores in float32.
-
-    Returns:
-      ``(in_ranks, out_ranks, unranked, dtype)``: ``unranked`` is True if some
-      score is NaN or infinite; ``dtype`` is the metrics' float dtype (float64
-      for float64 scores under x64, else float32).
-    """
-    dtype = jnp.promote_types(
-        jnp.promote_types(
-            dtypes.canonicalize_dtype(in_scores.dtype),
-            dtypes.canonicalize_dtype(out_scores.dtype),
-        ),
-        jnp.float32,
-    )
-    num_in = in_scores.shape[0]
-    try:
-        parts = [np.asarray(in_scores), np.asarray(out_scores)]
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        parts = None
-    if parts is not None:
-        # bfloat16 and narrower floats are exact in float32, which numpy sorts.
-        parts = [
-            p
-            if p.dtype == np.bool_ or np.issubdtype(p.dtype, np.number)
-            else p.astype(np.float32)
-            for p in parts
-        ]
-        joint = np.concatenate(parts)
-        ranks = np.searchsorted(np.sort(joint), joint, side="left").astype(np.int32)
-        unranked = not np.isfinite(joint).all()
-        return (
-            jnp.asarray(ranks[:num_in]),
-            jnp.asarray(ranks[num_in:]),
-            jnp.asarray(unranked),
-            dtype,
-        )
-    common = jnp.promote_types(in_scores.dtype, out_scores.dtype)
-    if common == jnp.bool_:
-        common = jnp.int32
-    joint = jnp.concatenate([in_scores.astype(common), out_scores.astype(common)])
-    ranks = jnp.searchsorted(jnp.sort(joint), joint, side="left").astype(jnp.int32)
-    unranked = ~jnp.all(jnp.isfinite(joint))
-    return ranks[:num_in], ranks[num_in:], unranked, dtype
-
-
 # ------------------------------------------------------------------------- helpers
 
 # Each public function validates in Python (shapes, and label values when they
@@ -269,11 +178,6 @@ def _poison(values: jax.Array, invalid: jax.Array) -> jax.Array:
     return jnp.where(invalid, jnp.nan, values)
 
 
-def _poison_all(value: jax.Array, invalid: jax.Array) -> jax.Array:
-    """``value`` (an aggregate over examples), or NaN if any example is invalid."""
-    return jnp.where(jnp.any(invalid), jnp.nan, value)
-
-
 def _split_invalid_labeled(
     logits: jax.Array, labels: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -298,49 +202,7 @@ def _entropy(log_probs: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.where(positive, probs * safe_log_probs, 0.0), axis=-1)
 
 
-def _predictive_probs_unchecked(logits: jax.Array) -> jax.Array:
-    return jnp.mean(_member_probs(logits), axis=0)
-
-
-def _confidence_and_correct(
-    logits: jax.Array, labels: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns ``[B]`` confidences, ``[B]`` int32 correctness, ``[B]`` invalid.
-
-    The confidence is the predictive's largest probability, correct where its
-    argmax is the label; the mask is :func:`_split_invalid_labeled`'s.
-    """
-    logits, labels, invalid = _split_invalid_labeled(logits, labels)
-    probs = _predictive_probs_unchecked(logits)
-    correct = (jnp.argmax(probs, axis=-1) == labels).astype(jnp.int32)
-    return jnp.max(probs, axis=-1), correct, invalid
-
-
-def _tie_averaged_cumsum(
-    sorted_keys: jax.Array, counts: jax.Array, dtype: jnp.dtype
-) -> jax.Array:
-    """Running sum of ``counts`` along ascending ``sorted_keys``, ties averaged.
-
-    Entry ``i`` is the mean, over every order of the examples whose keys tie,
-    of ``sum(counts[:i + 1])``: the exact integer sum up to the start of
-    ``i``'s tie group plus a linear share of the group's total. It depends on
-    the keys and on each group's total only, never on the order within a tie.
-    """
-    num = sorted_keys.shape[0]
-    start = jnp.searchsorted(sorted_keys, sorted_keys, side="left")
-    end = jnp.searchsorted(sorted_keys, sorted_keys, side="right")
-    through = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
-    before, group_total = through[start], through[end] - through[start]
-    taken = jnp.arange(1, num + 1) - start  # of the group, up to and with i
-    share = taken.astype(dtype) * group_total.astype(dtype) / (end - start)
-    return before.astype(dtype) + share
-
-
-def conformal_rank(count: int, level: float) -> int:
-    """The split-conformal order statistic: ``ceil((count + 1) level)``.
-
-    The product is rounded to 9 decimals first, so that a level meant
-    exactly (``0.7`` of ``count + 1 = 10`` is 7, where float64 gives
-    ``7.000000000000001``) is not one example more conservative.
-    """
-    return math.ceil(round((count + 1) * level, 9))
+def _probabilities(logits: jax.Array, members: bool) -> jax.Array:
+    """``[E, B, C]`` member softmaxes, or ``[B, C]`` the predictive."""
+    probs = _member_probs(logits)
+    return probs if members else jnp.mean(probs, axis=0)

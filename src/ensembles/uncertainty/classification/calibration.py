@@ -22,26 +22,18 @@ import numpy as np
 from ensembles._checks import (
     check_array,
     check_positive_int,
-    check_real,
     known_values,
 )
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty._common import check_bounds, poison_all
+from ensembles.uncertainty.classification._common import (
     _check_labels,
     _check_logits,
     _member_log_probs,
     _poison,
-    _poison_all,
     _predictive_log_probs,
     _split_invalid,
     _split_invalid_labeled,
 )
-
-__all__ = [
-    "fit_member_temperatures",
-    "fit_temperature",
-    "scale_member_temperatures",
-    "scale_temperature",
-]
 
 
 def _bisect_temperatures(log_probs, labels, log_b_low, log_b_high, iterations):
@@ -89,7 +81,7 @@ def _fit_temperature(logits, labels, log_b_low, log_b_high, iterations):
     temperature = _bisect_temperatures(
         log_probs[None], labels, log_b_low, log_b_high, iterations
     )[0]
-    return _poison_all(temperature, invalid)
+    return poison_all(temperature, invalid)
 
 
 def fit_temperature(
@@ -151,17 +143,7 @@ def fit_temperature(
 
 def _fit_options(bounds, iterations) -> tuple[float, float, int]:
     """The bisection's ends in ``log(1/T)`` (in float64 here), and its steps."""
-    if not isinstance(bounds, tuple | list) or len(bounds) != 2:
-        raise ValueError(
-            f"`bounds` must be two temperatures (low, high), got {bounds!r}: "
-            "e.g. bounds=(0.05, 20.0)."
-        )
-    lowest, highest = (check_real(b, "bounds") for b in bounds)
-    if not 1e-30 <= lowest < highest <= 1e30:
-        raise ValueError(
-            f"`bounds` must satisfy 1e-30 <= low < high <= 1e30, got "
-            f"{tuple(bounds)!r}: e.g. bounds=(0.05, 20.0)."
-        )
+    lowest, highest = check_bounds(bounds, "temperatures")
     iterations = check_positive_int(iterations, "iterations")
     return -math.log(highest), -math.log(lowest), iterations
 
@@ -172,7 +154,7 @@ def _fit_member_temperatures(logits, labels, log_b_low, log_b_high, iterations):
     temperatures = _bisect_temperatures(
         _member_log_probs(logits), labels, log_b_low, log_b_high, iterations
     )
-    return _poison_all(temperatures, invalid)
+    return poison_all(temperatures, invalid)
 
 
 def fit_member_temperatures(

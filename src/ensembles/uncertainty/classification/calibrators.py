@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import as_array, check_bool, check_positive_int, check_real
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty._minimize import minimize
+from ensembles.uncertainty.classification._common import (
     _check_labels,
     _check_logits,
     _member_log_probs,
@@ -52,14 +53,6 @@ from ensembles.uncertainty._common import (
     _split_invalid,
     _split_invalid_labeled,
 )
-from ensembles.uncertainty._minimize import minimize
-
-__all__ = [
-    "apply_dirichlet_scaling",
-    "apply_vector_scaling",
-    "fit_dirichlet_scaling",
-    "fit_vector_scaling",
-]
 
 #: The default weights of the penalties (see the module), chosen on the
 #: quality benchmark's MNIST-1D (300 held-out examples; four methods' test
@@ -180,7 +173,8 @@ def fit_vector_scaling(
     Fitted on held-out examples (never the test set you report) by
     minimising the NLL plus ``scale_penalty * mean_c (w_c - 1)^2 +
     bias_penalty * mean_c b_c^2``, from ``w = 1, b = 0``; apply it with
-    :func:`apply_vector_scaling`. See :mod:`ensembles.uncertainty.calibrators`.
+    :func:`apply_vector_scaling`. See
+    :mod:`~ensembles.uncertainty.classification.calibrators`.
 
     >>> import jax
     >>> import jax.numpy as jnp

@@ -57,20 +57,17 @@ from ensembles._checks import (
     check_real,
 )
 from ensembles.uncertainty._common import (
+    check_level,
+    conformal_quantile,
+    poison_all,
+)
+from ensembles.uncertainty.classification._common import (
     _check_labels,
     _check_logits,
-    _member_probs,
+    _probabilities,
     _split_invalid,
     _split_invalid_labeled,
-    conformal_rank,
 )
-
-__all__ = [
-    "conformal_sets",
-    "fit_conformal_threshold",
-    "set_coverage",
-    "set_size",
-]
 
 #: The nonconformity scores of the sets (see the module).
 SET_SCORES: tuple[str, ...] = ("lac", "aps", "raps")
@@ -115,11 +112,6 @@ def _class_scores(probs, score, share, penalty, free_ranks) -> jax.Array:
         excess = jnp.maximum(above + 1 - free_ranks, 0).astype(probs.dtype)
         scores = scores + penalty * excess
     return scores
-
-
-def _probabilities(logits: jax.Array, members: bool) -> jax.Array:
-    probs = _member_probs(logits)
-    return probs if members else jnp.mean(probs, axis=0)
 
 
 def _share(key, num_examples: int, dtype, deterministic: float) -> jax.Array:
@@ -173,16 +165,6 @@ def _check_options(score, penalty, free_ranks) -> tuple[str, float, int]:
     return score, penalty, int(free_ranks)
 
 
-def _check_level(level: Any) -> float:
-    value = check_real(level, "level")
-    if not 0.0 < value < 1.0:
-        raise ValueError(
-            f"`level` must lie strictly between 0 and 1 (the share of true "
-            f"classes the sets must hold), got {level!r}: e.g. level=0.9."
-        )
-    return value
-
-
 # ------------------------------------------------------------------- threshold
 
 
@@ -190,17 +172,11 @@ def _check_level(level: Any) -> float:
 def _fit_threshold(logits, labels, key, penalty, free_ranks, level, score, members):
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
     probs = _probabilities(logits, members)
-    num_examples = logits.shape[1]
-    share = _share(key, num_examples, probs.dtype, deterministic=1.0)
+    share = _share(key, logits.shape[1], probs.dtype, deterministic=1.0)
     scores = _class_scores(probs, score, share, penalty, free_ranks)
     index = jnp.broadcast_to(labels[:, None], (*scores.shape[:-1], 1))
     label_scores = jnp.take_along_axis(scores, index, axis=-1)[..., 0]
-    rank = conformal_rank(num_examples, level)
-    if rank > num_examples:  # too few held-out examples for the level
-        threshold = jnp.full(scores.shape[:-2], jnp.inf, scores.dtype)
-    else:
-        threshold = jnp.sort(label_scores, axis=-1)[..., rank - 1]
-    return jnp.where(jnp.any(invalid), jnp.nan, threshold)
+    return poison_all(conformal_quantile(label_scores, level), invalid)
 
 
 def fit_conformal_threshold(
@@ -221,7 +197,7 @@ def fit_conformal_threshold(
     :func:`conformal_sets` at this threshold hold the true class of at least
     ``level`` of new examples exchangeable with these. Fit on a validation
     split, never the test set you report. See
-    :mod:`ensembles.uncertainty.conformal_sets` for the scores.
+    :mod:`~ensembles.uncertainty.classification.conformal_sets` for the scores.
 
     >>> import jax
     >>> import jax.numpy as jnp
@@ -259,7 +235,7 @@ def fit_conformal_threshold(
       TypeError: if ``logits`` is not floating-point, ``labels`` not integer,
         ``key`` not a random key or ``members`` not a bool.
     """
-    level = _check_level(level)
+    level = check_level(level, "true classes the sets must hold")
     score, penalty, free_ranks = _check_options(score, penalty, free_ranks)
     key = _check_key(key, score)
     members = check_bool(members, "members")

@@ -48,26 +48,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import check_array, known_values
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty._common import poison_all
+from ensembles.uncertainty._minimize import minimize
+from ensembles.uncertainty.classification._common import (
     _check_labels,
     _check_logits,
     _entropy,
     _member_log_probs,
     _poison,
-    _poison_all,
     _predictive_log_probs,
     _split_invalid,
     _split_invalid_labeled,
 )
-from ensembles.uncertainty._minimize import minimize
-from ensembles.uncertainty.calibration import _fit_options, _fit_temperature
-
-__all__ = [
-    "fit_adaptive_temperature",
-    "fit_ensemble_temperature",
-    "scale_adaptive_temperature",
-    "scale_ensemble_temperature",
-]
+from ensembles.uncertainty.classification.calibration import (
+    _fit_options,
+    _fit_temperature,
+)
 
 
 def _pooled(logits):
@@ -115,7 +111,7 @@ def _fit_ensemble_temperature(logits, labels, log_b_low, log_b_high, iterations)
     free = minimize(objective, jnp.zeros(3, log_probs.dtype), 100)
     weights = jax.nn.softmax(free)
     params = jnp.concatenate([temperature[None].astype(weights.dtype), weights])
-    return _poison_all(jnp.where(jnp.isfinite(temperature), params, jnp.nan), invalid)
+    return poison_all(jnp.where(jnp.isfinite(temperature), params, jnp.nan), invalid)
 
 
 def fit_ensemble_temperature(
@@ -255,7 +251,7 @@ def _fit_adaptive(
     for logits, labels in ((clean_logits, clean_labels), (hard_logits, hard_labels)):
         logits, _, invalid = _split_invalid_labeled(logits, labels)
         entropy = _entropy(_pooled(logits))
-        difficulties.append(_poison_all(_median(entropy, ~invalid), invalid))
+        difficulties.append(poison_all(_median(entropy, ~invalid), invalid))
     params = jnp.stack([clean, hard, *difficulties])
     return jnp.where(jnp.all(jnp.isfinite(params)), params, jnp.nan)
 

@@ -16,7 +16,7 @@ confidences where the held-out set never saw it: the NLL of a test example
 there is infinite, while its ECE is usually the lowest of all calibrators.
 ``members=False`` calibrates the pooled predictive, ``members=True`` each
 member's softmax (then pooled by every metric), as the parametric
-calibrators of :mod:`ensembles.uncertainty.calibrators` do.
+calibrators of :mod:`~ensembles.uncertainty.classification.calibrators` do.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import as_array, check_bool
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty.classification._common import (
     _check_labels,
     _check_logits,
     _split_invalid,
     _split_invalid_labeled,
 )
-from ensembles.uncertainty.calibrators import calibration_inputs, check_fitted
-
-__all__ = ["apply_isotonic", "fit_isotonic"]
+from ensembles.uncertainty.classification.calibrators import (
+    calibration_inputs,
+    check_fitted,
+)
 
 
 def _pool_adjacent_violators(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -112,7 +113,7 @@ def fit_isotonic(
     For each class, the held-out examples' probabilities in ascending order
     (``knots``) and the isotonic fit of their one-vs-rest labels there
     (``values``); :func:`apply_isotonic` interpolates between them. See
-    :mod:`ensembles.uncertainty.isotonic`.
+    :mod:`~ensembles.uncertainty.classification.isotonic`.
 
     >>> import jax
     >>> import jax.numpy as jnp

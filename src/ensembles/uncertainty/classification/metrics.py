@@ -1,10 +1,15 @@
-"""Aggregate metrics of an ensemble against labels, and the AUROC of scores.
+"""Metrics of a classifier ensemble against labels, one scalar each.
 
-:func:`nll`, :func:`accuracy`, :func:`brier` and the calibration errors
-:func:`ece`, :func:`adaptive_ece` and :func:`mce` take member logits
-``[E, B, C]`` and integer labels ``[B]`` and return a scalar for the ensemble
-predictive; :func:`auroc` ranks per-example scores for out-of-distribution
-detection. See :mod:`ensembles.uncertainty`.
+Each takes member logits ``[E, B, C]`` and integer labels ``[B]``:
+:func:`nll`, :func:`accuracy` and :func:`brier` score the ensemble
+predictive; :func:`ece`, :func:`adaptive_ece` and :func:`mce` its
+calibration; :func:`aurc` and :func:`augrc` its selective prediction, where
+a classifier that may abstain answers the ``k`` examples it is most sure of
+(the predictive's largest probability, or the lowest of any per-example
+uncertainty given as ``scores=``, :func:`mutual_information`,
+:func:`energy_score`, ...; its answers stay the predictive's argmax): the
+risk-coverage curve is their error rate against the coverage ``k / B``.
+See :mod:`ensembles.uncertainty`.
 """
 
 from __future__ import annotations
@@ -16,21 +21,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import check_positive_int
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty._common import check_scores, poison_all
+from ensembles.uncertainty.classification._common import (
+    _at_least_float32,
     _check_labels,
     _check_logits,
-    _check_scores,
-    _confidence_and_correct,
-    _joint_ranks,
     _member_log_probs,
-    _poison_all,
     _predictive_log_probs,
-    _predictive_probs_unchecked,
+    _probabilities,
     _split_invalid_labeled,
-    _tie_averaged_cumsum,
 )
 
-__all__ = ["accuracy", "adaptive_ece", "auroc", "brier", "ece", "mce", "nll"]
+
+def _confidence_and_correct(
+    logits: jax.Array, labels: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns ``[B]`` confidences, ``[B]`` int32 correctness, ``[B]`` invalid.
+
+    The confidence is the predictive's largest probability, correct where its
+    argmax is the label; the mask is :func:`_split_invalid_labeled`'s.
+    """
+    logits, labels, invalid = _split_invalid_labeled(logits, labels)
+    probs = _probabilities(logits, members=False)
+    correct = (jnp.argmax(probs, axis=-1) == labels).astype(jnp.int32)
+    return jnp.max(probs, axis=-1), correct, invalid
+
+
+def _tie_averaged_cumsum(
+    sorted_keys: jax.Array, counts: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    """Running sum of ``counts`` along ascending ``sorted_keys``, ties averaged.
+
+    Entry ``i`` is the mean, over every order of the examples whose keys tie,
+    of ``sum(counts[:i + 1])``: the exact integer sum up to the start of
+    ``i``'s tie group plus a linear share of the group's total. It depends on
+    the keys and on each group's total only, never on the order within a tie.
+    """
+    num = sorted_keys.shape[0]
+    start = jnp.searchsorted(sorted_keys, sorted_keys, side="left")
+    end = jnp.searchsorted(sorted_keys, sorted_keys, side="right")
+    through = jnp.concatenate([jnp.zeros(1, counts.dtype), jnp.cumsum(counts)])
+    before, group_total = through[start], through[end] - through[start]
+    taken = jnp.arange(1, num + 1) - start  # of the group, up to and with i
+    share = taken.astype(dtype) * group_total.astype(dtype) / (end - start)
+    return before.astype(dtype) + share
 
 
 @jax.jit
@@ -38,7 +72,7 @@ def _nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
     log_probs = _predictive_log_probs(_member_log_probs(logits))
     picked = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
-    return _poison_all(-jnp.mean(picked), invalid)
+    return poison_all(-jnp.mean(picked), invalid)
 
 
 def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -76,9 +110,9 @@ def nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
 @jax.jit
 def _accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
-    probs = _predictive_probs_unchecked(logits)
+    probs = _probabilities(logits, members=False)
     predicted = jnp.argmax(probs, axis=-1)
-    return _poison_all(jnp.mean((predicted == labels).astype(probs.dtype)), invalid)
+    return poison_all(jnp.mean((predicted == labels).astype(probs.dtype)), invalid)
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -113,9 +147,9 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 @jax.jit
 def _brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
     logits, labels, invalid = _split_invalid_labeled(logits, labels)
-    probs = _predictive_probs_unchecked(logits)
+    probs = _probabilities(logits, members=False)
     targets = jax.nn.one_hot(labels, probs.shape[-1], dtype=probs.dtype)
-    return _poison_all(jnp.mean(jnp.sum(jnp.square(probs - targets), axis=-1)), invalid)
+    return poison_all(jnp.mean(jnp.sum(jnp.square(probs - targets), axis=-1)), invalid)
 
 
 def brier(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -172,7 +206,7 @@ def _equal_width_gaps(
 def _ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
     gaps, _, invalid = _equal_width_gaps(logits, labels, num_bins)
     # sum_bins n_i/B * |acc_i - conf_i| = sum_bins |sum_i (correct - conf)| / B.
-    return _poison_all(jnp.sum(jnp.abs(gaps)) / labels.shape[0], invalid)
+    return poison_all(jnp.sum(jnp.abs(gaps)) / labels.shape[0], invalid)
 
 
 def ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
@@ -235,7 +269,7 @@ def _adaptive_ece(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Ar
     correct_per_bin = through[ends] - through[starts]  # 0 for an empty bin
     confidence_per_bin = jnp.zeros(num_bins, dtype).at[bins].add(confidence)
     gaps = jnp.abs(correct_per_bin - confidence_per_bin)
-    return _poison_all(jnp.sum(gaps) / num_examples, invalid)
+    return poison_all(jnp.sum(gaps) / num_examples, invalid)
 
 
 def adaptive_ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
@@ -286,7 +320,7 @@ def adaptive_ece(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> ja
 def _mce(logits: jax.Array, labels: jax.Array, num_bins: int) -> jax.Array:
     gaps, counts, invalid = _equal_width_gaps(logits, labels, num_bins)
     per_bin = jnp.abs(gaps) / jnp.maximum(counts, 1)  # 0 for an empty bin
-    return _poison_all(jnp.max(per_bin), invalid)
+    return poison_all(jnp.max(per_bin), invalid)
 
 
 def mce(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
@@ -325,69 +359,142 @@ def mce(logits: jax.Array, labels: jax.Array, num_bins: int = 15) -> jax.Array:
     return _mce(logits, _check_labels(labels, logits), num_bins=num_bins)
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def _auroc(
-    in_ranks: jax.Array, out_ranks: jax.Array, unranked: jax.Array, dtype: jnp.dtype
+# ------------------------------------------------------------ selective prediction
+
+
+def _errors_among_most_confident(
+    logits: jax.Array, labels: jax.Array, scores: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Returns ``[B]`` errors among the ``k = 1..B`` most confident, invalid.
+
+    Most confident: the highest predictive confidence, or the lowest
+    ``scores``. The errors are averaged over the orders of tied keys.
+    """
+    confidence, correct, invalid = _confidence_and_correct(logits, labels)
+    if scores is None:
+        # Descending confidence is ascending -confidence (negation is exact).
+        keys = -confidence
+    else:
+        keys = _at_least_float32(scores)
+        invalid = invalid | jnp.isnan(keys)
+        keys = jnp.where(jnp.isnan(keys), 0.0, keys)
+    keys, wrong = jax.lax.sort((keys, 1 - correct), num_keys=1)
+    return _tie_averaged_cumsum(keys, wrong, confidence.dtype), invalid
+
+
+def _checked(logits, labels, scores) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The logits, labels and ``scores`` (``None``: rank by confidence) checked."""
+    logits = _check_logits(logits)
+    labels = _check_labels(labels, logits)
+    if scores is None:
+        return logits, labels, None
+    scores = jnp.asarray(check_scores(scores, "scores"))
+    if scores.shape[0] != logits.shape[1]:
+        raise ValueError(
+            f"`scores` must hold one uncertainty per example, shape [B] = "
+            f"({logits.shape[1]},) for `logits` of shape {tuple(logits.shape)}, "
+            f"got shape {tuple(scores.shape)}."
+        )
+    return logits, labels, scores
+
+
+@jax.jit
+def _aurc(logits: jax.Array, labels: jax.Array, scores: jax.Array | None):
+    errors, invalid = _errors_among_most_confident(logits, labels, scores)
+    covered = jnp.arange(1, errors.shape[0] + 1, dtype=errors.dtype)
+    return poison_all(jnp.mean(errors / covered), invalid)
+
+
+def aurc(
+    logits: jax.Array, labels: jax.Array, *, scores: jax.Array | None = None
 ) -> jax.Array:
-    sorted_in = jnp.sort(in_ranks)
-    # For each positive: #negatives below it, and #below-or-equal; their mean
-    # counts ties as half.
-    below = jnp.searchsorted(sorted_in, out_ranks, side="left")
-    below_or_equal = jnp.searchsorted(sorted_in, out_ranks, side="right")
-    wins = (below + below_or_equal).astype(dtype) / (2 * in_ranks.shape[0])
-    # NaN has no rank: the AUROC of unranked scores is undefined. An infinite
-    # score is an overflow upstream more often than a real extreme; both
-    # poison the result.
-    return jnp.where(unranked, jnp.nan, jnp.mean(wins))
+    """Area under the risk-coverage curve of the ensemble predictive.
 
+    Sort the examples by confidence (the predictive's largest probability),
+    most confident first; the AURC is the mean over ``k = 1..B`` of the error
+    rate (argmax not the label) among the first ``k`` (Geifman et al., 2018).
+    It is 0 when every example is right and 1 when every one is wrong; a good
+    ranking puts the errors last and lowers it.
 
-def auroc(in_scores: jax.Array, out_scores: jax.Array) -> jax.Array:
-    """Area under the ROC curve for telling out-of-distribution examples apart.
-
-    Out-of-distribution examples are the positive class and should score
-    higher (use an uncertainty such as :func:`mutual_information` or
-    :func:`total_entropy`). The AUROC is the probability that a random
-    out-of-distribution example outscores a random in-distribution one, ties
-    counted as half (the Mann-Whitney U statistic over ``n_in * n_out``),
-    computed with one sort and two binary searches: ``O(n log n)``. It equals
-    scikit-learn's ``roc_auc_score``: scores are compared exactly, in their
-    own dtype (see the note below).
+    Ties: the risk is averaged over every order of the examples whose
+    confidences tie (the value a random tie-break gives on average), so the
+    result does not depend on their order in the batch.
 
     >>> import jax.numpy as jnp
     >>> from ensembles import uncertainty
-    >>> uncertainty.auroc(jnp.array([0.1, 0.4]), jnp.array([0.3, 0.9]))  # 3 of 4
-    Array(0.75, dtype=float32)
-    >>> uncertainty.auroc(jnp.array([0.5]), jnp.array([0.5]))  # a tie: chance
-    Array(0.5, dtype=float32)
-    >>> uncertainty.auroc(jnp.array([0.1, jnp.nan]), jnp.array([0.9]))  # unranked
-    Array(nan, dtype=float32)
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4]]]))
+    >>> # Right, wrong, right by confidence: risks 0, 1/2, 1/3.
+    >>> uncertainty.aurc(logits, jnp.array([0, 1, 0])).round(4)
+    Array(0.2778, dtype=float32)
+    >>> # Ranked by another uncertainty: the wrong example answered first.
+    >>> order = jnp.array([0.5, 0.1, 0.9])
+    >>> round(float(uncertainty.aurc(logits, jnp.array([0, 1, 0]), scores=order)), 4)
+    0.6111
 
     Args:
-      in_scores: ``[N_in]`` scores of in-distribution examples (the negatives).
-      out_scores: ``[N_out]`` scores of out-of-distribution examples (the
-        positives).
+      logits: member logits of shape ``[E, B, C]``.
+      labels: integer class indices of shape ``[B]``, in ``[0, C)``.
+      scores: ``[B]`` uncertainties to answer by, lowest first (e.g.
+        :func:`mutual_information` or :func:`energy_score` of the logits);
+        ``None`` ranks by the predictive's confidence.
 
     Returns:
-      The AUROC in ``[0, 1]``, a scalar: 1 separates perfectly, 0.5 is chance.
-      NaN if any score is NaN or infinite (eagerly and under :func:`jax.jit`):
-      such scores have no rank, and an example scored NaN by
-      :func:`mutual_information` is one whose logits were invalid. Drop those
-      examples, or clip deliberate infinities, before ranking.
+      The AURC in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs), a NaN
+      score or, under :func:`jax.jit`, a label outside ``[0, C)``.
 
     Raises:
-      ValueError: if either array is not 1-D or is empty.
-      TypeError: if either array is not a real-valued array (e.g. ``None``).
-
-    Note:
-      Known scores (a numpy or JAX array, outside :func:`jax.jit`) are ranked
-      exactly as scikit-learn ranks them, in the dtype numpy concatenates
-      them to: int64 scores above ``2**24`` or float64 scores closer than
-      float32's spacing stay distinct, with or without ``jax_enable_x64``.
-      Under :func:`jax.jit` the scores are what JAX holds (without x64, 64-bit
-      inputs become 32-bit as they enter) and are compared in the dtype JAX
-      promotes the two arrays to (int32 against float32 scores: float32).
+      ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, or (when
+        not traced) a label lies outside ``[0, C)``.
+      TypeError: if ``logits`` is not floating-point, ``labels`` not integer or
+        ``scores`` not real numbers.
     """
-    in_scores = _check_scores(in_scores, "in_scores")
-    out_scores = _check_scores(out_scores, "out_scores")
-    in_ranks, out_ranks, unranked, dtype = _joint_ranks(in_scores, out_scores)
-    return _auroc(in_ranks, out_ranks, unranked, dtype=dtype)
+    return _aurc(*_checked(logits, labels, scores))
+
+
+@jax.jit
+def _augrc(logits: jax.Array, labels: jax.Array, scores: jax.Array | None):
+    errors, invalid = _errors_among_most_confident(logits, labels, scores)
+    return poison_all(jnp.mean(errors) / errors.shape[0], invalid)
+
+
+def augrc(
+    logits: jax.Array, labels: jax.Array, *, scores: jax.Array | None = None
+) -> jax.Array:
+    """Area under the generalized risk-coverage curve of the ensemble predictive.
+
+    Sort the examples by confidence, most confident first; the AUGRC is the
+    mean over ``k = 1..B`` of the number of errors among the first ``k``,
+    divided by ``B`` (the joint probability of being answered and wrong;
+    Traub et al., 2024). Unlike :func:`aurc` it does not weigh the few most
+    confident examples heavily. It is 0 when every example is right and
+    ``(B + 1) / (2B)`` when every one is wrong.
+
+    Ties: averaged over every order of the examples whose confidences tie, as
+    in :func:`aurc`.
+
+    >>> import jax.numpy as jnp
+    >>> from ensembles import uncertainty
+    >>> logits = jnp.log(jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4]]]))
+    >>> # Right, wrong, right by confidence: errors 0, 1, 1 out of 3.
+    >>> round(float(uncertainty.augrc(logits, jnp.array([0, 1, 0]))), 4)
+    0.2222
+
+    Args:
+      logits: member logits of shape ``[E, B, C]``.
+      labels: integer class indices of shape ``[B]``, in ``[0, C)``.
+      scores: ``[B]`` uncertainties to answer by, lowest first, as for
+        :func:`aurc`; ``None`` ranks by the predictive's confidence.
+
+    Returns:
+      The AUGRC in ``[0, 1]``, a scalar;
+      NaN if any example has invalid logits (see the module docs), a NaN
+      score or, under :func:`jax.jit`, a label outside ``[0, C)``.
+
+    Raises:
+      ValueError: if the shapes do not match ``[E, B, C]`` and ``[B]``, or (when
+        not traced) a label lies outside ``[0, C)``.
+      TypeError: if ``logits`` is not floating-point, ``labels`` not integer or
+        ``scores`` not real numbers.
+    """
+    return _augrc(*_checked(logits, labels, scores))

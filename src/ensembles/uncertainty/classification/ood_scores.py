@@ -35,26 +35,13 @@ import jax
 import jax.numpy as jnp
 
 from ensembles._checks import check_bool
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty.classification._common import (
     _at_least_float32,
     _check_logits,
-    _member_probs,
     _poison,
+    _probabilities,
     _split_invalid,
 )
-
-__all__ = [
-    "energy_score",
-    "margin_score",
-    "max_logit_score",
-    "max_probability_score",
-]
-
-
-def _probabilities(logits: jax.Array, members: bool) -> jax.Array:
-    """``[E, B, C]`` member softmaxes, or ``[B, C]`` the predictive."""
-    probs = _member_probs(logits)
-    return probs if members else jnp.mean(probs, axis=0)
 
 
 def _per_example(values: jax.Array, invalid: jax.Array) -> jax.Array:

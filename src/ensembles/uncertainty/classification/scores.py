@@ -9,33 +9,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ensembles.uncertainty._common import (
+from ensembles.uncertainty.classification._common import (
     _check_logits,
     _entropy,
     _member_log_probs,
     _member_probs,
     _poison,
     _predictive_log_probs,
-    _predictive_probs_unchecked,
+    _probabilities,
     _split_invalid,
 )
-
-__all__ = [
-    "disagreement",
-    "expected_entropy",
-    "mutual_information",
-    "pairwise_disagreement",
-    "pairwise_kl",
-    "predictive_probs",
-    "total_entropy",
-    "variance",
-]
 
 
 @jax.jit
 def _predictive_probs(logits: jax.Array) -> jax.Array:
     logits, invalid = _split_invalid(logits)
-    return _poison(_predictive_probs_unchecked(logits), invalid)
+    return _poison(_probabilities(logits, members=False), invalid)
 
 
 def predictive_probs(logits: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Private helpers of :mod:`ensembles.uncertainty`'s regression functions.
+"""Private helpers of :mod:`ensembles.uncertainty.regression`.
 
 The input checks (members' means and standard deviations, targets, levels),
 the marking of invalid entries (:func:`_split_invalid`), and the mixture's
@@ -21,7 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.scipy import special
 
-from ensembles._checks import as_array, as_real_array, check_real
+from ensembles._checks import as_array, as_real_array
+
+#: What a regression function's ``level`` is a share of.
+LEVEL_OF = "the predictive the interval holds"
 
 #: Bisection steps of the mixture's quantiles: the bracket (the members' own
 #: quantiles) narrows by 2**-60, below float64's resolution.
@@ -72,10 +75,25 @@ def check_means(means: Any) -> jax.Array:
     return means
 
 
-def check_stds(stds: Any, means: jax.Array) -> jax.Array | None:
-    """Returns ``stds`` (``None``: point members) checked against ``means``."""
+def check_members(
+    means: Any, stds: Any, density_for: str | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """The members' ``means`` and ``stds`` (``None``: point members), checked.
+
+    Point members are refused for ``density_for``, a function that needs a
+    density.
+    """
+    means = check_means(means)
     if stds is None:
-        return None
+        if density_for is not None:
+            raise ValueError(
+                f"`stds` must be given for `{density_for}`: point members "
+                f"(stds=None) form a mixture of point masses, which has no "
+                f"density. Give the members' standard deviations, or score the "
+                f"moment-matched Gaussian (`uncertainty.moment_matched_nll`, "
+                f"which takes stds=None)."
+            )
+        return means, None
     stds = _float_array(stds, "stds", "the members' standard deviations (or None)")
     if tuple(stds.shape) != tuple(means.shape):
         raise ValueError(
@@ -83,7 +101,7 @@ def check_stds(stds: Any, means: jax.Array) -> jax.Array | None:
             f"([E, B] or [E, B, D]), got shape {tuple(stds.shape)}: one standard "
             f"deviation per member, example and output (None for point members)."
         )
-    return stds
+    return means, stds
 
 
 def check_targets(targets: Any, means: jax.Array) -> jax.Array:
@@ -111,28 +129,6 @@ def check_targets(targets: Any, means: jax.Array) -> jax.Array:
             f"of shape {tuple(means.shape)}), got shape {shape}.{fix}"
         )
     return targets
-
-
-def check_level(level: Any) -> float:
-    """Returns a central interval's ``level`` as a float in ``(0, 1)``."""
-    value = check_real(level, "level")
-    if not 0.0 < value < 1.0:
-        raise ValueError(
-            f"`level` must lie strictly between 0 and 1 (the share of the "
-            f"predictive the interval holds), got {level!r}: e.g. level=0.9."
-        )
-    return value
-
-
-def check_point_members(stds: jax.Array | None, function: str) -> None:
-    """Raises for point members where a density is needed."""
-    if stds is None:
-        raise ValueError(
-            f"`stds` must be given for `{function}`: point members (stds=None) "
-            f"form a mixture of point masses, which has no density. Give the "
-            f"members' standard deviations, or score the moment-matched Gaussian "
-            f"(`uncertainty.moment_matched_nll`, which takes stds=None)."
-        )
 
 
 def compute_dtype(*arrays: jax.Array | None) -> jnp.dtype:
@@ -183,11 +179,6 @@ def split_invalid(
 def poison(values: jax.Array, invalid: jax.Array) -> jax.Array:
     """NaN where ``invalid`` is True (``invalid`` broadcast over ``values``)."""
     return jnp.where(invalid, jnp.nan, values)
-
-
-def poison_all(value: jax.Array, invalid: jax.Array) -> jax.Array:
-    """``value`` (an aggregate), or NaN if any entry is invalid."""
-    return jnp.where(jnp.any(invalid), jnp.nan, value)
 
 
 def example_invalid(invalid: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ epistemic variance both scale by ``s^2``.
 
 :func:`fit_member_std_scales` and :func:`scale_member_stds` calibrate each
 member on its own before the mixture pools them. Split-conformal intervals
-are in :mod:`ensembles.uncertainty.conformal`.
+are in :mod:`ensembles.uncertainty.regression.conformal`.
 """
 
 from __future__ import annotations
@@ -29,17 +29,10 @@ import numpy as np
 from ensembles._checks import (
     check_array,
     check_positive_int,
-    check_real,
     known_values,
 )
-from ensembles.uncertainty import _regression as reg
-
-__all__ = [
-    "fit_member_std_scales",
-    "fit_std_scale",
-    "scale_member_stds",
-    "scale_std",
-]
+from ensembles.uncertainty._common import check_bounds, poison_all
+from ensembles.uncertainty.regression import _common as reg
 
 #: Scales evaluated on a log-spaced grid before the bisection of the slope.
 _GRID = 65
@@ -57,28 +50,44 @@ def _scaled_nll(means, stds, targets, log_scale):
     return outputs * log_scale - jnp.mean(log_density)
 
 
-@functools.partial(jax.jit, static_argnames="iterations")
-def _fit_std_scale(means, stds, targets, log_low, log_high, iterations):
-    means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    dtype = means.dtype
+def _fit_log(nll_of_log, log_low, log_high, iterations, dtype):
+    """The log scale in ``[log_low, log_high]`` minimising ``nll_of_log``.
+
+    A grid of :data:`_GRID` log-spaced scales, then bisection of the slope
+    between the best one's neighbours: near the minimum the NLL is flat to
+    rounding (a float32 NLL pins the scale to about sqrt(eps)); its slope is
+    not. Returns the log scale and the NLL at each scale of the grid.
+    """
     grid = jnp.linspace(log_low, log_high, _GRID, dtype=dtype)
-    nlls = jax.lax.map(lambda t: _scaled_nll(means, stds, targets, t), grid)
+    nlls = jax.lax.map(nll_of_log, grid)
     best = jnp.argmin(jnp.where(jnp.isnan(nlls), jnp.inf, nlls))
     step = grid[1] - grid[0]
     low = jnp.maximum(grid[best] - step, log_low)
     high = jnp.minimum(grid[best] + step, log_high)
-    # Near the minimum the NLL is flat to rounding (a float32 NLL pins the
-    # scale to about sqrt(eps)); its slope is not: bisect the slope's zero.
-    slope = jax.grad(_scaled_nll, argnums=3)
+    slope = jax.grad(nll_of_log)
 
     def bisect(_, bounds):
         low, high = bounds
         middle = (low + high) / 2
-        rising = slope(means, stds, targets, middle) > 0
+        rising = slope(middle) > 0
         return jnp.where(rising, low, middle), jnp.where(rising, middle, high)
 
     low, high = jax.lax.fori_loop(0, iterations, bisect, (low, high))
-    scale = jnp.exp((low + high) / 2)
+    return (low + high) / 2, nlls
+
+
+@functools.partial(jax.jit, static_argnames="iterations")
+def _fit_std_scale(means, stds, targets, log_low, log_high, iterations):
+    means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
+    dtype = means.dtype
+    log_scale, nlls = _fit_log(
+        lambda t: _scaled_nll(means, stds, targets, t),
+        log_low,
+        log_high,
+        iterations,
+        dtype,
+    )
+    scale = jnp.exp(log_scale)
     # An NLL of +inf at the largest scale means some example's errors are so
     # many standard deviations that (z / scale)^2 overflows for every member:
     # that example's term, decreasing in the scale, outweighs every finite
@@ -86,22 +95,7 @@ def _fit_std_scale(means, stds, targets, log_low, log_high, iterations):
     # not say so: its argmin is the first).
     overflowed = jnp.isposinf(nlls[-1])
     scale = jnp.where(overflowed, jnp.exp(jnp.asarray(log_high, dtype)), scale)
-    return reg.poison_all(scale, invalid)
-
-
-def _check_bounds(bounds: Any) -> tuple[float, float]:
-    if not isinstance(bounds, tuple | list) or len(bounds) != 2:
-        raise ValueError(
-            f"`bounds` must be two scales (low, high), got {bounds!r}: e.g. "
-            f"bounds=(0.05, 20.0)."
-        )
-    low, high = (check_real(b, "bounds") for b in bounds)
-    if not 1e-30 <= low < high <= 1e30:
-        raise ValueError(
-            f"`bounds` must satisfy 1e-30 <= low < high <= 1e30, got "
-            f"{tuple(bounds)!r}: e.g. bounds=(0.05, 20.0)."
-        )
-    return low, high
+    return poison_all(scale, invalid)
 
 
 def fit_std_scale(
@@ -157,11 +151,9 @@ def fit_std_scale(
         ``bounds`` are not two numbers with ``1e-30 <= low < high <= 1e30``.
       TypeError: if an argument is not a real array.
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    reg.check_point_members(stds, "fit_std_scale")
+    means, stds = reg.check_members(means, stds, "fit_std_scale")
     targets = reg.check_targets(targets, means)
-    low, high = _check_bounds(bounds)
+    low, high = check_bounds(bounds, "scales")
     iterations = check_positive_int(iterations, "iterations")
     scale = _fit_std_scale(
         means, stds, targets, math.log(low), math.log(high), iterations
@@ -244,7 +236,7 @@ def _fit_member_std_scales(means, stds, targets, low, high):
     # A member's Gaussian NLL in its scale s: mean(log s + z^2 / (2 s^2)) + c,
     # least at s^2 = mean(z^2); clipped to the bounds, as the pooled fit is.
     scales = reg.root_mean_square(z, axis=axes)
-    return reg.poison_all(jnp.clip(scales, low, high), invalid)
+    return poison_all(jnp.clip(scales, low, high), invalid)
 
 
 def fit_member_std_scales(
@@ -286,11 +278,9 @@ def fit_member_std_scales(
         ``bounds`` are out of range.
       TypeError: if an argument is not a real array.
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    reg.check_point_members(stds, "fit_member_std_scales")
+    means, stds = reg.check_members(means, stds, "fit_member_std_scales")
     targets = reg.check_targets(targets, means)
-    low, high = _check_bounds(bounds)
+    low, high = check_bounds(bounds, "scales")
     return _fit_member_std_scales(means, stds, targets, low, high)
 
 
@@ -330,9 +320,7 @@ def scale_member_stds(
         :func:`jax.jit` too) is not positive and finite in the compute dtype.
       TypeError: if an argument is not a real array (booleans included).
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    reg.check_point_members(stds, "scale_member_stds")
+    means, stds = reg.check_members(means, stds, "scale_member_stds")
     dtype = reg.compute_dtype(means, stds)
     converted = _check_positive(
         scales,
@@ -395,8 +383,7 @@ def scale_std(
         :func:`jax.jit` too), not positive and finite in the compute dtype.
       TypeError: if an argument is not a real array (booleans included).
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
+    means, stds = reg.check_members(means, stds)
     dtype = reg.compute_dtype(means, stds)
     scale = _check_positive(
         scale,

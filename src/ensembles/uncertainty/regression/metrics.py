@@ -3,7 +3,7 @@
 Each takes the members' means and standard deviations ``[E, B]`` or
 ``[E, B, D]`` (``stds=None``: point members) and the targets ``[B]`` or
 ``[B, D]``, scores the members' exact mixture
-(:mod:`~ensembles.uncertainty.regression`) and returns one number, the mean
+(:mod:`~ensembles.uncertainty.regression.mixture`) and returns one number, the mean
 over examples (and outputs), or NaN if any entry is invalid:
 
 - accuracy of its mean: :func:`rmse`, :func:`mae`;
@@ -29,34 +29,19 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ensembles.uncertainty import _regression as reg
-
-__all__ = [
-    "crps",
-    "interval_coverage",
-    "interval_score",
-    "interval_width",
-    "mae",
-    "mixture_nll",
-    "moment_matched_nll",
-    "pit_calibration_error",
-    "rmse",
-    "spread_error_correlation",
-]
+from ensembles.uncertainty._common import check_level, poison_all
+from ensembles.uncertainty.regression import _common as reg
 
 
 def _checked(means, stds, targets):
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
+    means, stds = reg.check_members(means, stds)
     return means, stds, reg.check_targets(targets, means)
 
 
 @jax.jit
 def _mixture_nll(means, stds, targets):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    return reg.poison_all(
-        -jnp.mean(reg.mixture_log_density(means, stds, targets)), invalid
-    )
+    return poison_all(-jnp.mean(reg.mixture_log_density(means, stds, targets)), invalid)
 
 
 def mixture_nll(means: jax.Array, stds: jax.Array, targets: jax.Array) -> jax.Array:
@@ -86,9 +71,8 @@ def mixture_nll(means: jax.Array, stds: jax.Array, targets: jax.Array) -> jax.Ar
       ValueError: if the shapes do not match, or ``stds`` is ``None``.
       TypeError: if an argument is not a real array.
     """
-    means, stds, targets = _checked(means, stds, targets)
-    reg.check_point_members(stds, "mixture_nll")
-    return _mixture_nll(means, stds, targets)
+    means, stds = reg.check_members(means, stds, "mixture_nll")
+    return _mixture_nll(means, stds, reg.check_targets(targets, means))
 
 
 @jax.jit
@@ -103,7 +87,7 @@ def _moment_matched_nll(means, stds, targets):
     nll = 0.5 * math.log(2 * math.pi) + jnp.log(safe) + 0.5 * jnp.square(z)
     nll = jnp.where(degenerate, jnp.inf, nll)
     per_example = nll if nll.ndim == 1 else jnp.sum(nll, axis=-1)
-    return reg.poison_all(jnp.mean(per_example), invalid)
+    return poison_all(jnp.mean(per_example), invalid)
 
 
 def moment_matched_nll(
@@ -146,7 +130,7 @@ def moment_matched_nll(
 @jax.jit
 def _crps(means, stds, targets):
     means, stds, targets, invalid = reg.split_invalid(means, stds, targets)
-    return reg.poison_all(jnp.mean(reg.mixture_crps(means, stds, targets)), invalid)
+    return poison_all(jnp.mean(reg.mixture_crps(means, stds, targets)), invalid)
 
 
 def crps(means: jax.Array, stds: jax.Array | None, targets: jax.Array) -> jax.Array:
@@ -190,7 +174,7 @@ def _error(means, stds, targets, squared):
         value = reg.root_mean_square(error.reshape(-1), axis=0)
     else:
         value = jnp.mean(jnp.abs(error))
-    return reg.poison_all(value, invalid)
+    return poison_all(value, invalid)
 
 
 def rmse(means: jax.Array, stds: jax.Array | None, targets: jax.Array) -> jax.Array:
@@ -259,7 +243,7 @@ def _pit_calibration_error(means, stds, targets):
         return 0.5 * (x - level) * jnp.abs(x - level)
 
     area = jnp.sum(antiderivative(edges[1:]) - antiderivative(edges[:-1]))
-    return reg.poison_all(area, invalid)
+    return poison_all(area, invalid)
 
 
 def pit_calibration_error(
@@ -314,7 +298,7 @@ def _interval_metric(means, stds, targets, level, part):
         below = jnp.maximum(lower - targets, 0.0)
         above = jnp.maximum(targets - upper, 0.0)
         value = jnp.mean(upper - lower + (2 / alpha) * (below + above))
-    return reg.poison_all(value, invalid)
+    return poison_all(value, invalid)
 
 
 def interval_coverage(
@@ -346,7 +330,7 @@ def interval_coverage(
       ValueError: if the shapes do not match or ``level`` is not in ``(0, 1)``.
       TypeError: if an argument is not a real array.
     """
-    level = reg.check_level(level)
+    level = check_level(level, reg.LEVEL_OF)
     return _interval_metric(*_checked(means, stds, targets), level, "coverage")
 
 
@@ -373,9 +357,8 @@ def interval_width(
       ValueError: if the shapes do not match or ``level`` is not in ``(0, 1)``.
       TypeError: if an argument is not a real array.
     """
-    level = reg.check_level(level)
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
+    level = check_level(level, reg.LEVEL_OF)
+    means, stds = reg.check_members(means, stds)
     return _interval_metric(means, stds, None, level, "width")
 
 
@@ -408,7 +391,7 @@ def interval_score(
       ValueError: if the shapes do not match or ``level`` is not in ``(0, 1)``.
       TypeError: if an argument is not a real array.
     """
-    level = reg.check_level(level)
+    level = check_level(level, reg.LEVEL_OF)
     return _interval_metric(*_checked(means, stds, targets), level, "score")
 
 
@@ -438,7 +421,7 @@ def _spread_error_correlation(means, stds, targets):
         jnp.nan,
     )
     correlation = jnp.clip(correlation, -1.0, 1.0)  # the roots' rounding
-    return reg.poison_all(correlation, invalid)
+    return poison_all(correlation, invalid)
 
 
 def spread_error_correlation(

@@ -50,19 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import check_array, known_values
-from ensembles.uncertainty import _regression as reg
-
-__all__ = [
-    "aleatoric_variance",
-    "epistemic_variance",
-    "mixture_cdf",
-    "mixture_interval",
-    "mixture_log_density",
-    "mixture_mean",
-    "mixture_quantile",
-    "mixture_variance",
-    "pairwise_gaussian_kl",
-]
+from ensembles.uncertainty._common import check_level
+from ensembles.uncertainty.regression import _common as reg
 
 
 @functools.partial(jax.jit, static_argnames="part")
@@ -76,11 +65,6 @@ def _moment(means, stds, part):
         "total": aleatoric + epistemic,
     }[part]
     return reg.poison(value, invalid)
-
-
-def _checked(means: Any, stds: Any) -> tuple[jax.Array, jax.Array | None]:
-    means = reg.check_means(means)
-    return means, reg.check_stds(stds, means)
 
 
 def mixture_mean(means: jax.Array, stds: jax.Array | None = None) -> jax.Array:
@@ -104,7 +88,7 @@ def mixture_mean(means: jax.Array, stds: jax.Array | None = None) -> jax.Array:
         has another shape.
       TypeError: if they are not floating-point arrays.
     """
-    return _moment(*_checked(means, stds), part="mean")
+    return _moment(*reg.check_members(means, stds), part="mean")
 
 
 def mixture_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.Array:
@@ -132,7 +116,7 @@ def mixture_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.Arr
         has another shape.
       TypeError: if they are not floating-point arrays.
     """
-    return _moment(*_checked(means, stds), part="total")
+    return _moment(*reg.check_members(means, stds), part="total")
 
 
 def aleatoric_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.Array:
@@ -158,7 +142,7 @@ def aleatoric_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.A
         has another shape.
       TypeError: if they are not floating-point arrays.
     """
-    return _moment(*_checked(means, stds), part="aleatoric")
+    return _moment(*reg.check_members(means, stds), part="aleatoric")
 
 
 def epistemic_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.Array:
@@ -185,7 +169,7 @@ def epistemic_variance(means: jax.Array, stds: jax.Array | None = None) -> jax.A
         has another shape.
       TypeError: if they are not floating-point arrays.
     """
-    return _moment(*_checked(means, stds), part="epistemic")
+    return _moment(*reg.check_members(means, stds), part="epistemic")
 
 
 @jax.jit
@@ -230,8 +214,7 @@ def pairwise_gaussian_kl(means: jax.Array, stds: jax.Array) -> jax.Array:
       ValueError: if the shapes do not match, or ``stds`` is ``None``.
       TypeError: if an argument is not a real array.
     """
-    means, stds = _checked(means, stds)
-    reg.check_point_members(stds, "pairwise_gaussian_kl")
+    means, stds = reg.check_members(means, stds, "pairwise_gaussian_kl")
     return _pairwise_gaussian_kl(means, stds)
 
 
@@ -271,8 +254,7 @@ def mixture_log_density(
       ValueError: if the shapes do not match, or ``stds`` is ``None``.
       TypeError: if an argument is not a real array.
     """
-    means, stds = _checked(means, stds)
-    reg.check_point_members(stds, "mixture_log_density")
+    means, stds = reg.check_members(means, stds, "mixture_log_density")
     return _log_density(means, stds, reg.check_targets(targets, means))
 
 
@@ -311,7 +293,7 @@ def mixture_cdf(
       ValueError: if the shapes do not match.
       TypeError: if an argument is not a real array.
     """
-    means, stds = _checked(means, stds)
+    means, stds = reg.check_members(means, stds)
     return _cdf(means, stds, reg.check_targets(targets, means))
 
 
@@ -380,7 +362,7 @@ def mixture_quantile(
         ``(0, 1)``.
       TypeError: if an argument is not a real array.
     """
-    means, stds = _checked(means, stds)
+    means, stds = reg.check_members(means, stds)
     levels, scalar = _check_levels(levels)
     dtype = reg.compute_dtype(means, stds)
     quantiles = _quantile(means, stds, levels.astype(dtype))
@@ -417,8 +399,8 @@ def mixture_interval(
       ValueError: if the shapes do not match or ``level`` is not in ``(0, 1)``.
       TypeError: if an argument is not a real array.
     """
-    level = reg.check_level(level)
-    means, stds = _checked(means, stds)
+    level = check_level(level, reg.LEVEL_OF)
+    means, stds = reg.check_members(means, stds)
     return _interval(means, stds, level)
 
 

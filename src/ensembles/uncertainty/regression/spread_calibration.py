@@ -40,13 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensembles._checks import check_array, check_positive_int, known_values
-from ensembles.uncertainty import _regression as reg
-from ensembles.uncertainty.regression_calibration import _check_bounds
-
-__all__ = ["fit_spread_scales", "scale_spread"]
-
-#: Scales evaluated on a log-spaced grid before the bisection of the slope.
-_GRID = 65
+from ensembles.uncertainty._common import check_bounds, poison_all
+from ensembles.uncertainty.regression import _common as reg
+from ensembles.uncertainty.regression.calibration import _fit_log
 
 
 def _spread(means, stds, aleatoric, epistemic):
@@ -59,30 +55,6 @@ def _nll(means, stds, targets, aleatoric, epistemic):
     return -jnp.mean(reg.mixture_log_density(spread_means, spread_stds, targets))
 
 
-def _fit_log(nll_of_log, log_low, log_high, iterations, dtype):
-    """The ``log`` scale in ``[log_low, log_high]`` minimising ``nll_of_log``.
-
-    A grid of :data:`_GRID` log-spaced scales, then bisection of the slope
-    between the best one's neighbours (as ``fit_std_scale`` does).
-    """
-    grid = jnp.linspace(log_low, log_high, _GRID, dtype=dtype)
-    nlls = jax.lax.map(nll_of_log, grid)
-    best = jnp.argmin(jnp.where(jnp.isnan(nlls), jnp.inf, nlls))
-    step = grid[1] - grid[0]
-    low = jnp.maximum(grid[best] - step, log_low)
-    high = jnp.minimum(grid[best] + step, log_high)
-    slope = jax.grad(nll_of_log)
-
-    def bisect(_, bounds):
-        low, high = bounds
-        middle = (low + high) / 2
-        rising = slope(middle) > 0
-        return jnp.where(rising, low, middle), jnp.where(rising, middle, high)
-
-    low, high = jax.lax.fori_loop(0, iterations, bisect, (low, high))
-    return (low + high) / 2
-
-
 @functools.partial(jax.jit, static_argnames="iterations")
 def _fit_spread_scales(
     means, stds, targets, hard_means, hard_stds, hard_targets, low, high, iterations
@@ -92,7 +64,7 @@ def _fit_spread_scales(
         hard_means, hard_stds, hard_targets
     )
     dtype = means.dtype
-    log_a = _fit_log(
+    log_a, _ = _fit_log(
         lambda t: _nll(means, stds, targets, jnp.exp(t), 1.0),
         low,
         high,
@@ -100,7 +72,7 @@ def _fit_spread_scales(
         dtype,
     )
     aleatoric = jnp.exp(log_a)
-    log_b = _fit_log(
+    log_b, _ = _fit_log(
         lambda t: _nll(hard_means, hard_stds, hard_targets, aleatoric, jnp.exp(t)),
         low,
         high,
@@ -112,8 +84,8 @@ def _fit_spread_scales(
     disagree = jnp.any(hard_means != center)
     epistemic = jnp.where(disagree, jnp.exp(log_b), jnp.ones((), dtype))
     scales = jnp.stack([aleatoric, epistemic])
-    scales = reg.poison_all(scales, invalid)
-    return reg.poison_all(scales, hard_invalid)
+    scales = poison_all(scales, invalid)
+    return poison_all(scales, hard_invalid)
 
 
 def fit_spread_scales(
@@ -170,13 +142,11 @@ def fit_spread_scales(
         same ``E`` and ``D``), ``stds`` are ``None`` or ``bounds`` invalid.
       TypeError: if an argument is not a real array.
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    reg.check_point_members(stds, "fit_spread_scales")
+    means, stds = reg.check_members(means, stds, "fit_spread_scales")
     targets = reg.check_targets(targets, means)
-    hard_means = reg.check_means(hard_means)
-    hard_stds = reg.check_stds(hard_stds, hard_means)
-    reg.check_point_members(hard_stds, "fit_spread_scales")
+    hard_means, hard_stds = reg.check_members(
+        hard_means, hard_stds, "fit_spread_scales"
+    )
     hard_targets = reg.check_targets(hard_targets, hard_means)
     if (hard_means.shape[0], hard_means.shape[2:]) != (
         means.shape[0],
@@ -187,7 +157,7 @@ def fit_spread_scales(
             f"({means.shape[0]} members, outputs {tuple(means.shape[2:])}), got "
             f"shape {tuple(hard_means.shape)}: predict both sets with one model."
         )
-    low, high = _check_bounds(bounds)
+    low, high = check_bounds(bounds, "scales")
     iterations = check_positive_int(iterations, "iterations")
     dtype = reg.compute_dtype(means, stds, hard_means, hard_stds)
     return _fit_spread_scales(
@@ -240,9 +210,7 @@ def scale_spread(
         ``scales`` is not ``[2]`` or (when known) not positive and finite.
       TypeError: if an argument is not a real array.
     """
-    means = reg.check_means(means)
-    stds = reg.check_stds(stds, means)
-    reg.check_point_members(stds, "scale_spread")
+    means, stds = reg.check_members(means, stds, "scale_spread")
     scales = check_array(scales, "scales", what="two positive scales")
     known = known_values(scales)
     fix = "fit them with `uncertainty.fit_spread_scales`."

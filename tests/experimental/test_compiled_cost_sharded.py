@@ -92,7 +92,7 @@ BYTES_CASES = {
     ("cnn", 3): 1.45,
     ("cnn", 8): 1.32,
     # The blocks' hidden dense layers' reductions (docs/cost.md): 1.33-1.36x
-    # on jax 0.10.2, 1.45x on 0.12 (its XLA writes the MLP's products apart).
+    # on jax 0.10.2, 1.45x on jax 0.12 (not met: the target is 1.30x).
     ("transformer", None): 1.40,
     ("transformer_512", None): 1.46,
 }

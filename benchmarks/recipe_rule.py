@@ -117,6 +117,8 @@ def targets(methods, variant, calibration):
         "calibration": calibrated,
         "strong": strong,
         "shift_nll": found["values"]["batchensemble"][2],
+        "values": found["values"],  # {method: [NLL, calibration error, shift NLL]}
+        "coverage": coverage,
     }
 
 
@@ -173,6 +175,7 @@ def report(pairs, variants, calibrations):
                 f"{'yes' if result['strong'] else 'no'} | {' | '.join(marks)} | "
                 f"{sum(result[t] for t in TARGETS)}/{len(TARGETS)} |"
             )
+    print("\n" + figures_table(choices))
     print("\n" + done_summary(choices))
     counts = {}
     for recipe, _ in choices.values():
@@ -185,6 +188,40 @@ def report(pairs, variants, calibrations):
             f"{' + '.join(recommended)}"
         )
     return choices
+
+
+def figures_table(choices):
+    """Each held-out task's figures at the recipe chosen on the others.
+
+    One model / BatchEnsemble / deep ensemble, every method at the recipe's
+    calibration: in-distribution NLL, shift NLL, and ECE (a regressor: the
+    BatchEnsemble's 90% coverage).
+    """
+    lines = [
+        "| held-out task | recipe | NLL: one / BE / deep | shift NLL: one / BE / deep "
+        "| ECE: one / BE / deep, or BE's 90% coverage |",
+        "|:---|:---|:---|:---|:---|",
+    ]
+    for task, (recipe, here) in choices.items():
+        for result in here.values():
+            if result is None:
+                continue
+            v = result["values"]
+            methods = ("single", "batchensemble", "deep_ensemble")
+
+            def cell(i, v=v, methods=methods):
+                return " / ".join(f"{v[m][i]:.3f}" for m in methods)
+
+            calibration = (
+                f"{result['coverage']:.3f}"
+                if result["coverage"] is not None
+                else cell(1)
+            )
+            lines.append(
+                f"| {task} | {' + '.join(recipe)} | {cell(0)} | {cell(2)} | "
+                f"{calibration} |"
+            )
+    return "\n".join(lines)
 
 
 def done_summary(choices):

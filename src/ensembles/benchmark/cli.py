@@ -52,7 +52,7 @@ from ensembles.benchmark.quality.methods import QUALITY_METHODS
 from ensembles.benchmark.quality.models import QUALITY_MODELS
 from ensembles.benchmark.quality.plots import write_quality_plot
 from ensembles.benchmark.quality.report import format_quality, summarize
-from ensembles.benchmark.quality.run import run_quality, validation_size
+from ensembles.benchmark.quality.run import prepare_task, run_task
 from ensembles.benchmark.quality.tasks import (
     REAL_TASKS,
     TASK_MODELS,
@@ -470,31 +470,23 @@ def _main_quality(
     rows = []
     for task, models, data in runs:
         skipped = [m for m in args.model if m not in models]
-        steps = args.steps or TASK_STEPS[task]
+        prepared = prepare_task(data, args.steps or TASK_STEPS[task], show)
         if data.x_valid is not None:
-            held = f"{len(data.x_valid):,} more held out"
+            held = f"{len(prepared.x_valid):,} more held out"
         else:
-            count = validation_size(len(data.x_train), regression=data.regression)
-            held = f"{count:,} of them held out"
-        fitted = "spread scales" if data.regression else "temperatures"
+            held = f"{len(prepared.x_valid):,} of them held out"
         print(
             f"{task}: {len(data.x_train):,} training examples"
             + (" (--quick)" if args.quick and task.startswith("mnist1d") else "")
-            + f", {held} to fit {fitted}; {steps} training steps per method"
+            + f", {held} to fit {prepared.kind.fitted}; {prepared.steps} training "
+            "steps per method"
             + (f"; {', '.join(skipped)} skipped (no use on {task})" if skipped else ""),
             flush=True,
         )
         if not models:
             continue
-        rows += run_quality(
-            models=models,
-            members=args.members,
-            seeds=seeds,
-            methods=args.methods,
-            steps=steps,
-            data=data,
-            progress=show,
-        )
+        rows += run_task(prepared, models, args.members, seeds, args.methods)
+        show("")
     summary = summarize(rows)
     print(format_quality(summary, markdown=args.markdown))
     if args.json:

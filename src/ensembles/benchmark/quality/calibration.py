@@ -62,9 +62,11 @@ __all__ = [
     "cached",
     "calibrate_classifier",
     "calibrate_regressor",
+    "classifier_diversity",
     "diversity",
     "diversity_sets",
     "noisy_validation",
+    "regressor_diversity",
 ]
 
 #: The noise of the held-out copies, in units of the training inputs' std.
@@ -116,50 +118,49 @@ def _nan_members(means: jax.Array, stds: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def diversity(
-    predict: Callable[[Any], Any], sets: dict[str, list[Any]], regression: bool
+    measure: Callable[[Any], dict[str, float]], sets: dict[str, list[Any]]
 ) -> dict[str, dict[str, float]]:
     """The members' diversity as trained, per set (examples averaged).
 
     Args:
-      predict: examples to member logits, or to ``(means, stds)``.
+      measure: one set's examples to its measures (a classifier's
+        :func:`classifier_diversity` of its logits, a regressor's
+        :func:`regressor_diversity` of its members).
       sets: ``{"in_distribution": [x], "shift_mean": [x of every severity's
         every family]}``; a measure of ``shift_mean`` is the mean over them
         weighted by severity as the caller lists them.
-      regression: whether ``predict`` gives means and stds.
 
     Returns:
-      ``{set: {"pairwise_disagreement": d, "pairwise_kl": k}}`` for a
-      classifier; ``{set: {"pairwise_kl": k, "epistemic_share": s}}`` for a
-      regressor (the share of the predictive variance that is the members'
-      disagreement).
+      ``{set: {measure: value}}``.
     """
-
-    def measures(x):
-        if regression:
-            means, stds = predict(x)
-            total = uncertainty.mixture_variance(means, stds)
-            share = uncertainty.epistemic_variance(means, stds) / total
-            return {
-                "pairwise_kl": float(
-                    jnp.mean(uncertainty.pairwise_gaussian_kl(means, stds))
-                ),
-                "epistemic_share": float(jnp.mean(share)),
-            }
-        logits = predict(x)
-        return {
-            "pairwise_disagreement": float(
-                jnp.mean(uncertainty.pairwise_disagreement(logits))
-            ),
-            "pairwise_kl": float(jnp.mean(uncertainty.pairwise_kl(logits))),
-        }
-
     result = {}
     for name, arrays in sets.items():
-        values = [measures(x) for x in arrays]
+        values = [measure(x) for x in arrays]
         result[name] = {
             key: float(np.mean([v[key] for v in values])) for key in values[0]
         }
     return result
+
+
+def classifier_diversity(logits: jax.Array) -> dict[str, float]:
+    """Member logits' mean pairwise disagreement and KL."""
+    return {
+        "pairwise_disagreement": float(
+            jnp.mean(uncertainty.pairwise_disagreement(logits))
+        ),
+        "pairwise_kl": float(jnp.mean(uncertainty.pairwise_kl(logits))),
+    }
+
+
+def regressor_diversity(members: tuple[jax.Array, jax.Array]) -> dict[str, float]:
+    """Gaussian members' mean pairwise KL and the epistemic share of the variance."""
+    means, stds = members
+    total = uncertainty.mixture_variance(means, stds)
+    share = uncertainty.epistemic_variance(means, stds) / total
+    return {
+        "pairwise_kl": float(jnp.mean(uncertainty.pairwise_gaussian_kl(means, stds))),
+        "epistemic_share": float(jnp.mean(share)),
+    }
 
 
 def diversity_sets(data: Any) -> dict[str, list[Any]]:

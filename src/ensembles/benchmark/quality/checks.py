@@ -7,7 +7,6 @@ per target) should surface in seconds, not after an hour of training.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -15,7 +14,12 @@ import numpy as np
 from flax import nnx
 
 from ensembles.benchmark.quality.data import QualityData
-from ensembles.benchmark.quality.methods import QUALITY_METHODS
+from ensembles.benchmark.quality.kinds import kind_of
+from ensembles.benchmark.quality.methods import (
+    QUALITY_METHODS,
+    QualityMethod,
+    resolve_method,
+)
 from ensembles.benchmark.quality.models import ModelSpec, build_model, check_model
 from ensembles.benchmark.report import model_name
 
@@ -23,7 +27,9 @@ __all__ = ["check_run", "model_outputs"]
 
 
 def check_run(
-    models: Sequence[ModelSpec], methods: Sequence[str], data: QualityData
+    models: Sequence[ModelSpec],
+    methods: Sequence[str | QualityMethod],
+    data: QualityData,
 ) -> None:
     """Raises unless every model can run every method on ``data``.
 
@@ -31,48 +37,50 @@ def check_run(
     anything trains (the command checks every task's this way before the
     first trains): the methods' names, each model's name or factory, and one
     abstract forward pass of each model (no computation) on the data's
-    examples, whose outputs must be ``[N, C']`` with ``C'`` at least the
-    data's classes, or, for regression, ``[N, 2 D]``: a mean and a raw
-    spread per target (:func:`model_outputs`).
+    examples, at each dropout rate a method builds it with, whose outputs
+    must be ``[N, C']`` with ``C'`` what the task's kind wants (at least the
+    data's classes; a regressor: a mean and a raw spread per target,
+    :func:`model_outputs`).
 
     Args:
       models: names or factories, as for ``run_quality``.
-      methods: names of methods.
+      methods: names of methods, or methods of your own.
       data: the data.
 
     Raises:
       ValueError: naming the method or model that cannot run, and why.
-      TypeError: if ``data`` is not a :class:`QualityData` or a model is
-        neither a name nor a factory.
+      TypeError: if ``data`` is not a :class:`QualityData`, a method is
+        neither a name nor a method, or a model neither a name nor a factory.
     """
     if not isinstance(data, QualityData):
         raise TypeError(
             f"`data` must be an `ensembles.benchmark.QualityData` (or None for "
             f"the standard MNIST-1D sets), got {type(data).__name__}."
         )
-    unknown = [method for method in methods if method not in QUALITY_METHODS]
+    unknown = [m for m in methods if isinstance(m, str) and m not in QUALITY_METHODS]
     if unknown:
         raise ValueError(
             f"`methods` must be names from {list(QUALITY_METHODS)}, got {unknown!r}."
         )
+    methods = [resolve_method(method) for method in methods]
+    dropouts = [method for method in methods if method.dropout]
+    rates = (0.0, *sorted({method.dropout for method in dropouts}))
     for model in models:
-        check_model(model, methods)
-        _check_outputs(model, data, methods)
+        check_model(model, [method.name for method in dropouts])
+        _check_outputs(model, data, rates)
 
 
 def model_outputs(data: QualityData) -> int:
     """How many outputs a model of ``data`` gives: C, or 2 per target (``2 D``)."""
-    if data.regression:
-        return 2 * math.prod(data.target_shape)
-    return data.num_classes
+    return kind_of(data).outputs(data)
 
 
-def _check_outputs(model: ModelSpec, data: QualityData, methods: Sequence[str]):
-    """One abstract forward pass: ``[N, C']``, ``C' >= C`` (regression ``2 D``)."""
-    outputs = model_outputs(data)
+def _check_outputs(model: ModelSpec, data: QualityData, rates: Sequence[float]):
+    """One abstract forward pass per dropout rate: outputs the task's kind takes."""
+    kind = kind_of(data)
+    outputs = kind.outputs(data)
     example = tuple(np.shape(data.x_train)[1:])
     x = jax.ShapeDtypeStruct((2, *example), np.float32)
-    rates = (0.0, 0.1) if "mc_dropout" in methods else (0.0,)
     for dropout in rates:
 
         def forward(x, dropout=dropout):
@@ -93,25 +101,11 @@ def _check_outputs(model: ModelSpec, data: QualityData, methods: Sequence[str]):
                 f"examples (shape {x.shape}): {type(error).__name__}: {error}"
             ) from error
         shape = getattr(out, "shape", None)
-        what = "[N, 2 D] outputs" if data.regression else "logits [N, classes]"
         if shape is None or len(shape) != 2 or shape[0] != 2:
             raise ValueError(
                 f"the model {model_name(model)!r} must map a batch [N, "
                 f"{', '.join(map(str, example))}] of the data's examples to "
-                f"{what}; on N = 2 it gave "
+                f"{kind.outputs_named}; on N = 2 it gave "
                 f"{shape if shape is not None else type(out).__name__}."
             )
-        if data.regression and shape[1] != outputs:
-            raise ValueError(
-                f"the model {model_name(model)!r} gives {shape[1]} outputs per "
-                f"example, but a regressor of targets of shape "
-                f"{data.target_shape or '[N]'} needs {outputs}: a mean and a raw "
-                f"spread per target (its last layer `nnx.Linear(hidden, {outputs})`)."
-            )
-        if not data.regression and shape[1] < outputs:
-            raise ValueError(
-                f"the model {model_name(model)!r} gives {shape[1]} logits per "
-                f"example, but the data has {outputs} classes (labels 0 to "
-                f"{outputs - 1}): its output layer needs at least "
-                f"{outputs} features."
-            )
+        kind.check_width(model_name(model), shape[1], data)

@@ -1,4 +1,27 @@
-"""The models and methods of the quality benchmark, and how each is trained.
+"""The quality benchmark's methods, one table: each method one object.
+
+:data:`METHOD_TABLE` holds every method as a :class:`QualityMethod`: its
+name, how its model, loss, prediction and optimizer are built (``build``),
+the recipe options it always has (``fixed``), and what the driver, the
+checks and the report read of it (trained once as one model, the method it
+starts from, its share of the steps, its dropout, whether it predicts in
+training mode, whether it takes an independent head, whether it closes the
+gap). :func:`train_method` trains one:
+
+>>> import numpy as np
+>>> from ensembles.benchmark.quality.methods import train_method
+>>> x, y = np.zeros((20, 40), np.float32), np.arange(20) % 10
+>>> trained = train_method("batchensemble", "mlp", x, y, num_members=2, steps=2)
+>>> trained.predict(x[:5]).shape
+(2, 5, 10)
+>>> targets = np.linspace(-1, 1, 20, dtype=np.float32)  # regression
+>>> trained = train_method("single", "mlp", x, targets, num_members=2,
+...                        steps=2, regression=True)
+>>> trained.predict(x[:5]).shape  # one model: a mean and a raw spread
+(1, 5, 2)
+
+A new method is one new entry in the table (and its ``build``, where no
+existing one fits): ``docs/benchmarking.md`` shows one.
 
 Every method trains the same plain Flax model
 (:func:`~ensembles.benchmark.quality.models.build_model`) with the same
@@ -43,10 +66,12 @@ optimizer, learning rate, batch size B and number of steps:
   hidden layer, trained as ``single``; its E "members" are E dropout masks
   drawn at test time.
 
-Steps are jitted with the batch drawn on the device, so the timings count
-training, not data loading. A model is a name of
-:data:`~ensembles.benchmark.quality.models.QUALITY_MODELS` or a
-factory ``rngs -> nnx.Module`` of the user's own (a classifier of the data's
+What differs between a classifier and a regressor (the loss, the validation
+NLL of early stopping, the outputs) is the task kind's
+(:mod:`~ensembles.benchmark.quality.kinds`). Steps are jitted with the batch
+drawn on the device, so the timings count training, not data loading. A
+model is a name of :data:`~ensembles.benchmark.quality.models.QUALITY_MODELS`
+or a factory ``rngs -> nnx.Module`` of the user's own (a model of the data's
 examples; for ``mc_dropout`` it must take a ``dropout`` keyword as well).
 """
 
@@ -54,7 +79,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,17 +87,23 @@ from flax import nnx
 from jax.nn.initializers import Initializer
 
 import ensembles
-from ensembles._checks import check_positive_int
+from ensembles.benchmark.quality.kinds import kind_for
 from ensembles.benchmark.quality.models import ModelSpec
+from ensembles.benchmark.quality.regression.head import BETA, MIN_STD
 from ensembles.benchmark.quality.training import (
+    EVAL_DRAWS,
+    FAST_LR_MULTIPLIER,
+    KL_ANNEALING,
+    Built,
     Context,
+    QualityMethod,
+    Recipe,
+    Trained,
     fast_weight_options,
     independent_head_options,
-    objective,
     optimizer,
     reinit_first_layer,
     train_steps,
-    validation_loss,
 )
 
 __all__ = [
@@ -87,28 +117,17 @@ __all__ = [
     "FINETUNE_INIT_STDDEV",
     "KL_ANNEALING",
     "LEARNING_RATE",
+    "METHOD_TABLE",
     "MIN_STD",
     "QUALITY_METHODS",
     "STEPS",
     "WEIGHT_DECAY",
+    "QualityMethod",
     "Trained",
+    "closes_gap",
+    "resolve_method",
     "train_method",
 ]
-
-#: The compared methods, in table order.
-QUALITY_METHODS: tuple[str, ...] = (
-    "single",
-    "batchensemble",
-    "batchensemble_shift",
-    "rank1",
-    "finetuned",
-    "deep_ensemble",
-    "mc_dropout",
-)
-
-#: The methods that convert the model with :func:`ensembles.to_batch_ensemble`
-#: and train by its recipe (the fast weights' learning rate, no decay).
-_CONVERTED: tuple[str, ...] = ("batchensemble", "batchensemble_shift", "rank1")
 
 #: AdamW's learning rate (constant) and weight decay, for every method.
 LEARNING_RATE: float = 3e-3
@@ -117,16 +136,6 @@ WEIGHT_DECAY: float = 1e-4
 #: Examples per step per member, and training steps (25 epochs of 8,000).
 BATCH_SIZE: int = 100
 STEPS: int = 2000
-
-#: The fast weights' learning rate over the shared weights' (the recipe).
-FAST_LR_MULTIPLIER: float = 0.5
-
-#: The share of the steps over which ``rank1``'s KL weight rises from 0 to 1.
-KL_ANNEALING: float = 0.8
-
-#: ``rank1``'s draws of every member's fast weights per prediction (chosen
-#: across tasks over 1: benchmarks/quality_defaults.py).
-EVAL_DRAWS: int = 4
 
 #: Dropout rate of ``mc_dropout``.
 DROPOUT_RATE: float = 0.1
@@ -138,12 +147,6 @@ FINETUNE_FRACTION: float = 0.25
 #: with random signs at the input).
 FINETUNE_INIT_STDDEV: float = 0.3
 
-#: Regression: the beta-NLL exponent of every method's loss (Seitzer et al.,
-#: 2022; 0 is the plain NLL) and the floor of the predicted standard
-#: deviations, in standardised target units (``docs/regression.md``).
-BETA: float = 0.5
-MIN_STD: float = 1e-3
-
 #: With early stopping, how many times over the steps the validation NLL is
 #: checked (the parameters of the best check are kept). 40: with 20, the
 #: regression study's concrete models were best at their first check (step
@@ -151,34 +154,210 @@ MIN_STD: float = 1e-3
 EARLY_STOPPING_CHECKS: int = 40
 
 
-@dataclasses.dataclass(frozen=True)
-class Trained:
-    """A trained method.
+def _adamw(net: nnx.Module, fast: float | None = None, **options) -> nnx.Optimizer:
+    return optimizer(
+        net,
+        learning_rate=LEARNING_RATE,
+        weight_decay=WEIGHT_DECAY,
+        fast=fast,
+        **options,
+    )
 
-    Attributes:
-      method: one of :data:`QUALITY_METHODS`.
-      predict: maps ``[N, ...]`` examples to member logits ``[E, N, C]``
-        (``[1, N, C]`` for ``single``; ``[E * eval_draws, N, C]`` for
-        ``rank1``, every draw a member), the layout of
-        :mod:`ensembles.uncertainty`.
-      params: parameters of the whole method (all members).
-      train_s: wall-clock seconds of all training steps (and early
-        stopping's checks), the first step's compilation included.
-      model: the trained model (what ``finetuned`` starts from).
-      best_step: the steps the kept parameters trained: all of them, or with
-        early stopping those of the best check.
+
+def _one_model(method: QualityMethod, context: Context) -> Built:
+    """One plain model (with the method's dropout), B examples per step."""
+    net = context.build(dropout=method.dropout, rngs=nnx.Rngs(context.key(0)))
+
+    def loss(model, key, step):
+        x, y = context.draw(key, 1)
+        return context.loss(model(x), y, 1)
+
+    def predict(model, x):
+        return model(x)[None]
+
+    return Built(net, loss, predict, _adamw(net))
+
+
+def _dropout_masks(method: QualityMethod, context: Context) -> Built:
+    """:func:`_one_model` predicting with E dropout masks, one per tiled copy."""
+    built = _one_model(method, context)
+    E = context.num_members
+
+    def predict(model, x):
+        return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+    return dataclasses.replace(built, predict=predict)
+
+
+def _converted(method: QualityMethod, context: Context) -> Built:
+    """The model converted by ``to_batch_ensemble`` and trained by its recipe."""
+    import optax
+
+    recipe, E, count = context.recipe, context.num_members, len(context.x_all)
+    plain = context.build(rngs=nnx.Rngs(context.key(0)))
+    options = fast_weight_options(recipe)
+    if recipe.independent_head:
+        options = {**options, **independent_head_options(plain)}
+    net = ensembles.to_batch_ensemble(
+        plain, num_members=E, rngs=nnx.Rngs(context.key(1)), **options
+    )
+    if recipe.first_layer_init is not None:
+        reinit_first_layer(net, recipe.first_layer_init, context.key(3))
+    kl_weight = optax.linear_schedule(
+        0.0, 1.0, transition_steps=max(1, int(recipe.kl_annealing * context.steps))
+    )
+    posterior = recipe.posterior is not None
+
+    def loss(model, key, step):
+        if recipe.tiled:
+            x, y = context.draw(key, 1)  # the same B examples for every member
+            x = ensembles.tile(x, E)
+        else:
+            x, y = context.draw(key, E)  # B examples of its own per member
+        value = context.loss(model(x), y, E)
+        if posterior:
+            value = value + kl_weight(step) * ensembles.kl_divergence(model) / count
+        return value
+
+    def predict(model, x):
+        # A posterior draws on every call: eval_draws draws, each a "member".
+        draws = recipe.eval_draws if posterior else 1
+        return jnp.concatenate(
+            [ensembles.untile(model(ensembles.tile(x, E)), E) for _ in range(draws)]
+        )
+
+    return Built(net, loss, predict, _adamw(net, recipe.fast_lr_multiplier))
+
+
+def _finetuned(method: QualityMethod, context: Context) -> Built:
+    """The trained start converted, every parameter fine-tuned, rate decaying."""
+    E = context.num_members
+    init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
+    net = ensembles.to_batch_ensemble(
+        context.start,
+        num_members=E,
+        rngs=nnx.Rngs(context.key(1)),
+        r_init=init,
+        s_init=init,
+    )
+
+    def loss(model, key, step):
+        x, y = context.draw(key, E)  # B examples of its own per member
+        return context.loss(model(x), y, E)
+
+    def predict(model, x):
+        return ensembles.untile(model(ensembles.tile(x, E)), E)
+
+    # Every parameter at the full rate, decaying along a cosine.
+    return Built(net, loss, predict, _adamw(net, 1.0, decay_steps=context.steps))
+
+
+def _deep_ensemble(method: QualityMethod, context: Context) -> Built:
+    """E independently initialised models under ``nnx.vmap``."""
+    E, batch = context.num_members, context.batch
+
+    @nnx.split_rngs(splits=E)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return context.build(rngs=rngs)
+
+    net = create(nnx.Rngs(context.key(0)))
+    members_outputs = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
+
+    def loss(model, key, step):
+        x, y = context.draw(key, E)  # B examples of its own per member
+        outputs = members_outputs(model, x.reshape(E, batch, *x.shape[1:]))
+        return context.loss(outputs.reshape(E * batch, -1), y, E)
+
+    def predict(model, x):
+        return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
+
+    return Built(net, loss, predict, _adamw(net))
+
+
+#: ``single``: one model, B examples per step.
+SINGLE = QualityMethod(
+    "single",
+    _one_model,
+    one_model=True,
+    no_head="one model, whose head is its own",
+    closes_gap=False,
+)
+
+#: Every method, in table order (see the module for each recipe).
+METHOD_TABLE: tuple[QualityMethod, ...] = (
+    SINGLE,
+    QualityMethod("batchensemble", _converted),
+    QualityMethod(
+        "batchensemble_shift",
+        _converted,
+        fixed={"tiled": False, "independent_head": True},
+    ),
+    QualityMethod(
+        "rank1", _converted, fixed={"posterior": "gaussian"}, keeps_drawing=True
+    ),
+    QualityMethod(
+        "finetuned",
+        _finetuned,
+        starts_from=SINGLE,
+        steps_share=FINETUNE_FRACTION,
+        no_head="whose recipe converts the trained single model as it is "
+        "(every layer BatchEnsemble, its head too)",
+    ),
+    QualityMethod(
+        "deep_ensemble",
+        _deep_ensemble,
+        no_head="whose members are whole independent models already",
+        closes_gap=False,
+    ),
+    QualityMethod(
+        "mc_dropout",
+        _dropout_masks,
+        dropout=DROPOUT_RATE,
+        keeps_drawing=True,
+        no_head="one model, whose dropout masks are its members",
+        closes_gap=False,
+    ),
+)
+
+#: The compared methods' names, in table order.
+QUALITY_METHODS: tuple[str, ...] = tuple(method.name for method in METHOD_TABLE)
+
+_BY_NAME = {method.name: method for method in METHOD_TABLE}
+
+
+def resolve_method(method: str | QualityMethod) -> QualityMethod:
+    """The method a name of :data:`QUALITY_METHODS` names (an object: itself).
+
+    Raises:
+      ValueError: if the name is none of :data:`QUALITY_METHODS`.
+      TypeError: if ``method`` is neither a name nor a :class:`QualityMethod`.
     """
+    if isinstance(method, QualityMethod):
+        return method
+    if not isinstance(method, str):
+        raise TypeError(
+            f"a method must be a name of {list(QUALITY_METHODS)} or a "
+            f"QualityMethod, got {method!r} of type {type(method).__name__}."
+        )
+    if method not in _BY_NAME:
+        raise ValueError(
+            f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
+        )
+    return _BY_NAME[method]
 
-    method: str
-    predict: Callable[[np.ndarray], jax.Array]
-    params: int
-    train_s: float
-    model: Any = None
-    best_step: int | None = None
+
+def closes_gap(name: str) -> bool:
+    """Whether the report gives the gap a method of this name closes.
+
+    A name outside the table (a method of your own) does.
+    """
+    method = _BY_NAME.get(name)
+    return method is None or method.closes_gap
 
 
 def train_method(
-    method: str,
+    method: str | QualityMethod,
     model: ModelSpec,
     x_train: np.ndarray,
     y_train: np.ndarray,
@@ -204,115 +383,63 @@ def train_method(
     min_std: float = MIN_STD,
     early_stopping: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Trained:
-    """Builds and trains one method; see the module docs for the recipes.
-
-    The arguments from ``fast_weight_init`` to ``eval_draws``,
-    ``first_layer_init`` and ``diversity`` vary ``batchensemble``'s and
-    ``rank1``'s recipes; the methods they do not apply to ignore them, so
-    that one set of options can train every method, all but
-    ``independent_head``, which changes what the method is and is refused
-    by the others (the benchmark keeps their defaults;
-    ``benchmarks/diversity_study.py``, ``benchmarks/quality_defaults.py`` and
-    ``benchmarks/finetune_recipe.py`` measure them). A name of
-    ``QUALITY_MODELS`` is built for the data's examples (``x_train.shape[1:]``)
-    and ``num_classes`` classes (regression: two outputs, a mean and a raw
-    spread, per target).
-
-    >>> import numpy as np
-    >>> from ensembles.benchmark.quality.methods import train_method
-    >>> x, y = np.zeros((20, 40), np.float32), np.arange(20) % 10
-    >>> trained = train_method("batchensemble", "mlp", x, y, num_members=2,
-    ...                        steps=2)
-    >>> trained.predict(x[:5]).shape
-    (2, 5, 10)
-    >>> targets = np.linspace(-1, 1, 20, dtype=np.float32)  # regression
-    >>> trained = train_method("single", "mlp", x, targets, num_members=2,
-    ...                        steps=2, regression=True)
-    >>> trained.predict(x[:5]).shape  # one model: a mean and a raw spread
-    (1, 5, 2)
+    """Builds and trains one method (see the module for the recipes and examples).
 
     Args:
-      method: one of :data:`QUALITY_METHODS`.
-      model: a name of ``QUALITY_MODELS``, or a factory ``rngs ->
-        nnx.Module`` (:func:`~ensembles.benchmark.quality.models.build_model`).
+      method: a name of :data:`QUALITY_METHODS`, or a :class:`QualityMethod`.
+      model: a name of ``QUALITY_MODELS`` (built for ``x_train``'s examples
+        and ``num_classes``), or a factory ``rngs -> nnx.Module``.
       x_train: ``[N, ...]`` float32 training examples.
-      y_train: ``[N]`` integer labels (regression: ``[N]`` or ``[N, D]`` real
-        targets, best standardised).
-      num_members: the ensemble size E (``single`` ignores it).
+      y_train: ``[N]`` integer labels (regression: ``[N]`` or ``[N, D]``).
+      num_members: the ensemble size E (a ``one_model`` method ignores it).
       steps: optimizer steps.
-      seed: seed of the parameters, the fast weights, the batches and the
-        dropout masks.
-      batch_size: B, the examples each member sees per step (:data:`BATCH_SIZE`;
-        at most the training examples); an ensemble's step runs ``E * B``
-        rows, so E = 8 at ``BATCH_SIZE // 2`` runs the rows of E = 4.
-      fast_weight_init: the fast weights' ``r_init`` and ``s_init`` (one
-        for both, or a pair ``(r_init, s_init)``); ``None``
-        keeps the library's default.
-      fast_lr_multiplier: the fast weights' learning rate over the shared
-        weights'.
-      tiled: every member sees the same B examples per step; ``False`` gives
-        each its own B (:func:`ensembles.training.member_batches`), as
-        ``batchensemble_shift`` always does.
-      prior_stddev: ``rank1``'s prior scale (``None``: the library's).
-      stddev_init: ``rank1``'s initializer of the unconstrained posterior
-        scales (``None``: the library's).
-      kl_annealing: the share of the steps over which ``rank1``'s KL weight
-        rises from 0 to 1.
-      eval_draws: ``rank1``'s draws per member at prediction; each draw counts
-        as a member of the predictive (``[E * draws, N, C]`` logits).
-      start: ``finetuned`` only: the trained ``single`` model it starts from
-        (not changed).
-      num_classes: the classes a named model is built for (``None``: the
-        largest training label + 1); not for regression.
-      first_layer_init: ``(r_init, s_init)`` of the first BatchEnsemble layer
-        (in the model's graph order, its first layer for an
-        ``nnx.Sequential``), the others keeping ``fast_weight_init`` (TabM's
-        recipe: random signs for the first layer's ``r``, ones elsewhere);
-        ``None``: every layer alike.
-      independent_head: ``batchensemble``/``rank1``: the model's last
-        ``nnx.Linear`` (its output layer) becomes fully independent, a kernel
-        of its own per member drawn afresh (``to_batch_ensemble``'s
-        ``independent``; TabM's heads); ``batchensemble_shift``'s always is.
-      diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
-        Buschjaeger et al., 2020): ``diversity`` times the mean squared
-        distance of each member's softmax from the members' mean is
-        subtracted from the loss, pushing members apart; 0: none
-        (classification only).
-      regression: train Gaussian-head regressors of real targets:
-        :func:`ensembles.training.gaussian_nll` of
-        :func:`ensembles.training.gaussian_head`'s means and spreads.
-      beta: regression: the beta-NLL exponent (:data:`BETA`).
-      min_std: regression: the spreads' floor, in the targets' units
-        (:data:`MIN_STD`).
-      early_stopping: held-out ``(x, y)`` (never test examples): the method's
-        NLL on them (the exact mixture's, for a regressor) is checked
-        :data:`EARLY_STOPPING_CHECKS` times over the steps, and the
-        parameters of the best check are kept (``Trained.best_step``).
-        ``None``: the last step's.
+      seed: seed of the parameters, fast weights, batches and dropout masks.
+      batch_size: B, the examples each member sees per step (at most N).
+      fast_weight_init: the recipe's (:class:`Recipe` says what each does).
+      fast_lr_multiplier: the recipe's.
+      tiled: the recipe's (``batchensemble_shift`` always has it False).
+      prior_stddev: the recipe's.
+      stddev_init: the recipe's.
+      kl_annealing: the recipe's.
+      eval_draws: the recipe's.
+      start: the trained model a method ``starts_from`` starts from (for it
+        alone; not changed).
+      num_classes: a named model's classes (``None``: the largest label + 1).
+      first_layer_init: the recipe's.
+      diversity: the recipe's (classification only).
+      independent_head: the recipe's (refused where the method's ``no_head``).
+      regression: train Gaussian-head regressors of real targets.
+      beta: the recipe's (regression).
+      min_std: the recipe's (regression).
+      early_stopping: held-out ``(x, y)``: keep the parameters of the best of
+        :data:`EARLY_STOPPING_CHECKS` checks of the NLL on them.
 
     Returns:
       The :class:`Trained` method.
 
     Raises:
-      ValueError: if ``method`` is unknown, ``finetuned`` has no ``start``,
-        ``independent_head`` is asked of a method that converts no model to
-        a BatchEnsemble (``single``, ``mc_dropout``, ``deep_ensemble``,
-        ``finetuned``), or ``diversity`` of a regression.
+      ValueError: if ``method`` is unknown, ``start`` is missing or not
+        wanted, ``independent_head`` asked of a method that converts no
+        model, or ``diversity`` of a regression.
     """
-    _check_method(method, start)
-    if independent_head and method not in _CONVERTED:
-        raise ValueError(
-            f"`independent_head=True` gives the members of a converted model "
-            f"an output layer each: it is for {list(_CONVERTED)} (where "
-            f"'batchensemble_shift' always has one), got method={method!r}, "
-            f"{_WITHOUT_HEADS.get(method, 'which converts no model')}. Leave it "
-            f"False for {method!r}."
-        )
-    if regression and diversity:
-        raise ValueError(
-            f"`diversity` (={diversity}) pushes members' softmaxes apart: it is "
-            f"for classification; leave it 0 for regression."
-        )
+    recipe = Recipe(
+        fast_weight_init=fast_weight_init,
+        fast_lr_multiplier=fast_lr_multiplier,
+        tiled=tiled,
+        prior_stddev=prior_stddev,
+        stddev_init=stddev_init,
+        kl_annealing=kl_annealing,
+        eval_draws=eval_draws,
+        first_layer_init=first_layer_init,
+        diversity=diversity,
+        independent_head=independent_head,
+        beta=beta,
+        min_std=min_std,
+    )
+    method, kind = resolve_method(method), kind_for(regression)
+    _check_method(method, recipe, start)
+    kind.check_recipe(recipe)
+    recipe = dataclasses.replace(recipe, **method.fixed)
     context = Context.of(
         model,
         x_train,
@@ -320,203 +447,69 @@ def train_method(
         num_members=num_members,
         steps=steps,
         seed=seed,
-        batch_size=check_positive_int(batch_size, "batch_size"),
-        regression=regression,
-        num_classes=num_classes,
+        batch_size=batch_size,
+        outputs=kind.model_outputs(y_train, num_classes),
+        recipe=recipe,
+        loss=kind.objective(recipe),
+        start=start,
     )
-    loss_of = objective(
-        regression=regression, beta=beta, min_std=min_std, diversity=diversity
-    )
-    eval_draws = check_positive_int(eval_draws, "eval_draws")
-    if method == "deep_ensemble":
-        net, loss_fn, predict_fn = _deep_ensemble(context, loss_of)
-    elif method in _CONVERTED:
-        shift = method == "batchensemble_shift"  # the recipe for shift
-        net, loss_fn, predict_fn = _batch_ensemble(
-            method,
-            context,
-            loss_of,
-            fast_weight_options(method, fast_weight_init, prior_stddev, stddev_init),
-            first_layer_init=first_layer_init,
-            tiled=tiled and not shift,
-            kl_annealing=kl_annealing,
-            eval_draws=eval_draws,
-            independent_head=independent_head or shift,
-        )
-    elif method == "finetuned":
-        net, loss_fn, predict_fn = _finetuned(context, loss_of, start)
-    else:
-        net, loss_fn, predict_fn = _single(method, context, loss_of)
-    if method == "finetuned":  # every parameter at the full, decaying rate
-        fast, decay_steps = 1.0, context.steps
-    else:
-        fast = fast_lr_multiplier if method in _CONVERTED else None
-        decay_steps = None
-    tx = optimizer(
-        net,
-        learning_rate=LEARNING_RATE,
-        weight_decay=WEIGHT_DECAY,
-        fast=fast,
-        decay_steps=decay_steps,
-    )
+    built = method.build(method, context)
     validate = None
     if early_stopping is not None:
-        validate = nnx.jit(
-            validation_loss(predict_fn, *early_stopping, regression, min_std)
+        validate = nnx.jit(kind.validation_loss(built.predict, *early_stopping, recipe))
+    return _trained(method, built, context, validate)
+
+
+def _check_method(
+    method: QualityMethod, recipe: Recipe, start: nnx.Module | None
+) -> None:
+    """Refuses a ``start`` the method has no use for, or lacks; a head it refuses."""
+    if (method.starts_from is not None) != (start is not None):
+        starting = [m.name for m in METHOD_TABLE if m.starts_from is not None]
+        raise ValueError(
+            f"`start` (the trained model a method starts from) must be given for "
+            f"a method that starts from one ({', '.join(map(repr, starting))}) "
+            f"and only for it, got method={method.name!r} and "
+            f"start={type(start).__name__}."
         )
+    if recipe.independent_head and method.no_head is not None:
+        heads = [m.name for m in METHOD_TABLE if m.no_head is None]
+        always = [m.name for m in METHOD_TABLE if m.fixed.get("independent_head")]
+        raise ValueError(
+            f"`independent_head=True` gives the members of a converted model "
+            f"an output layer each: it is for {heads} (where "
+            f"{', '.join(map(repr, always))} always has one), got "
+            f"method={method.name!r}, {method.no_head}. Leave it False for "
+            f"{method.name!r}."
+        )
+
+
+def _trained(
+    method: QualityMethod,
+    built: Built,
+    context: Context,
+    validate: Callable[[nnx.Module], jax.Array] | None,
+) -> Trained:
+    """Runs the steps, keeps the best check's parameters, jits the prediction."""
+    net = built.net
     train_s, best_step = train_steps(
-        net, tx, loss_fn, context, validate, checks=EARLY_STOPPING_CHECKS
+        net,
+        built.optimizer,
+        built.loss,
+        context,
+        validate,
+        checks=EARLY_STOPPING_CHECKS,
     )
-    if method not in ("mc_dropout", "rank1"):
-        net.eval()  # mc_dropout keeps its masks, rank1 its draws
-    predict = nnx.jit(predict_fn)
+    if not method.keeps_drawing:
+        net.eval()
+    predict = nnx.jit(built.predict)
     return Trained(
-        method=method,
+        method=method.name,
         predict=lambda x: predict(net, jnp.asarray(x)),
-        params=_param_count(net),
+        params=int(
+            sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(net, nnx.Param)))
+        ),
         train_s=train_s,
         model=net,
         best_step=best_step,
     )
-
-
-#: What ``independent_head`` would mean for the methods that take no such head.
-_WITHOUT_HEADS = {
-    "deep_ensemble": "whose members are whole independent models already",
-    "single": "one model, whose head is its own",
-    "mc_dropout": "one model, whose dropout masks are its members",
-    "finetuned": "whose recipe converts the trained single model as it is "
-    "(every layer BatchEnsemble, its head too)",
-}
-
-
-def _param_count(net: nnx.Module) -> int:
-    return int(
-        sum(np.size(leaf) for leaf in jax.tree.leaves(nnx.state(net, nnx.Param)))
-    )
-
-
-def _check_method(method: str, start: nnx.Module | None) -> None:
-    if method not in QUALITY_METHODS:
-        raise ValueError(
-            f"`method` must be one of {list(QUALITY_METHODS)}, got {method!r}."
-        )
-    if (method == "finetuned") != (start is not None):
-        raise ValueError(
-            "`start` (the trained single model) must be given for method "
-            f"'finetuned' and only for it, got method={method!r} and "
-            f"start={type(start).__name__}."
-        )
-
-
-def _deep_ensemble(context: Context, loss_of: Callable):
-    E, batch = context.num_members, context.batch
-
-    @nnx.split_rngs(splits=E)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def create(rngs):
-        return context.build(rngs=rngs)
-
-    net = create(nnx.Rngs(context.key(0)))
-    members_outputs = nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))
-
-    def loss_fn(model, key, step):
-        x, y = context.draw(key, E)  # B examples of its own per member
-        outputs = members_outputs(model, x.reshape(E, batch, *x.shape[1:]))
-        return loss_of(outputs.reshape(E * batch, -1), y, E)
-
-    def predict_fn(model, x):
-        return nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(model, x)
-
-    return net, loss_fn, predict_fn
-
-
-def _batch_ensemble(
-    method,
-    context,
-    loss_of,
-    options,
-    *,
-    first_layer_init,
-    tiled,
-    kl_annealing,
-    eval_draws,
-    independent_head,
-):
-    import optax
-
-    E, count = context.num_members, len(context.x_all)
-    plain = context.build(rngs=nnx.Rngs(context.key(0)))
-    if independent_head:
-        options = {**options, **independent_head_options(plain)}
-    net = ensembles.to_batch_ensemble(
-        plain,
-        num_members=E,
-        rngs=nnx.Rngs(context.key(1)),
-        **options,
-    )
-    if first_layer_init is not None:
-        reinit_first_layer(net, first_layer_init, context.key(3))
-    kl_weight = optax.linear_schedule(
-        0.0, 1.0, transition_steps=max(1, int(kl_annealing * context.steps))
-    )
-
-    def loss_fn(model, key, step):
-        if tiled:
-            x, y = context.draw(key, 1)  # the same B examples for every member
-            x = ensembles.tile(x, E)
-        else:
-            x, y = context.draw(key, E)  # B examples of its own per member
-        loss = loss_of(model(x), y, E)
-        if method == "rank1":
-            kl = ensembles.kl_divergence(model)
-            loss = loss + kl_weight(step) * kl / count
-        return loss
-
-    def predict_fn(model, x):
-        # rank1 draws on every call: eval_draws draws, each a "member".
-        draws = eval_draws if method == "rank1" else 1
-        return jnp.concatenate(
-            [ensembles.untile(model(ensembles.tile(x, E)), E) for _ in range(draws)]
-        )
-
-    return net, loss_fn, predict_fn
-
-
-def _finetuned(context: Context, loss_of: Callable, start: nnx.Module):
-    E = context.num_members
-    init = ensembles.initializers.normal(1.0, FINETUNE_INIT_STDDEV)
-    net = ensembles.to_batch_ensemble(
-        start, num_members=E, rngs=nnx.Rngs(context.key(1)), r_init=init, s_init=init
-    )
-
-    def loss_fn(model, key, step):
-        x, y = context.draw(key, E)  # B examples of its own per member
-        return loss_of(model(x), y, E)
-
-    def predict_fn(model, x):
-        return ensembles.untile(model(ensembles.tile(x, E)), E)
-
-    return net, loss_fn, predict_fn
-
-
-def _single(method: str, context: Context, loss_of: Callable):
-    dropout = DROPOUT_RATE if method == "mc_dropout" else 0.0
-    net = context.build(dropout=dropout, rngs=nnx.Rngs(context.key(0)))
-
-    def loss_fn(model, key, step):
-        x, y = context.draw(key, 1)
-        return loss_of(model(x), y, 1)
-
-    if method == "mc_dropout":
-
-        def predict_fn(model, x):  # E dropout masks, one per tiled copy
-            E = context.num_members
-            return ensembles.untile(model(ensembles.tile(x, E)), E)
-
-    else:
-
-        def predict_fn(model, x):
-            return model(x)[None]
-
-    return net, loss_fn, predict_fn

@@ -164,20 +164,21 @@ def build_model(
         )
     if not dropout:
         return model(rngs)
-    check_model(model, ("mc_dropout",))
+    check_model(model, [f"dropout={dropout}"])
     return model(rngs, dropout=dropout)
 
 
-def check_model(model: ModelSpec, methods: Sequence[str]) -> None:
-    """Raises unless ``model`` can run every method of ``methods``.
+def check_model(model: ModelSpec, with_dropout: Sequence[str]) -> None:
+    """Raises unless ``model`` is a name or a factory, taking dropout if asked.
 
     Args:
       model: a name of :data:`QUALITY_MODELS` or a factory.
-      methods: the methods it will run.
+      with_dropout: what builds it with dropout (the methods' names, say:
+        ``mc_dropout``); empty: nothing.
 
     Raises:
-      ValueError: if the name is unknown, or ``methods`` has ``mc_dropout``
-        and the factory takes no ``dropout`` keyword.
+      ValueError: if the name is unknown, or something builds the factory's
+        model with dropout and it takes no ``dropout`` keyword.
       TypeError: if ``model`` is neither a str nor callable.
     """
     if isinstance(model, str):
@@ -192,9 +193,10 @@ def check_model(model: ModelSpec, methods: Sequence[str]) -> None:
             f"`model` must be a name or a factory `rngs -> nnx.Module`, got "
             f"{model!r} of type {type(model).__name__}."
         )
-    if "mc_dropout" in methods and "dropout" not in inspect.signature(model).parameters:
+    if with_dropout and "dropout" not in inspect.signature(model).parameters:
+        named = ", ".join(with_dropout)
         raise ValueError(
-            f"`mc_dropout` needs a model with dropout: the factory "
+            f"`{named}` needs a model with dropout: the factory "
             f"{model_name(model)!r} must take a `dropout` keyword (the rate), or "
-            f"leave mc_dropout out of `methods`."
+            f"leave {named} out of `methods`."
         )

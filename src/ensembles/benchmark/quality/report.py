@@ -15,9 +15,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ensembles.benchmark.quality.classification.report import classification_block
-from ensembles.benchmark.quality.regression.report import regression_block
-from ensembles.benchmark.quality.tables import groups_of
+from ensembles.benchmark.quality.kinds import kind_of_entry
+from ensembles.benchmark.quality.methods import closes_gap
+from ensembles.benchmark.quality.tables import GAP, groups_of
 
 __all__ = [
     "MIN_GAP",
@@ -133,24 +133,22 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "model": model,
             "members": members,
             "seeds": len(group),
-            "regression": bool(group[0].get("regression", False)),
+            "regression": kind_of_entry(group[0]).regression,
             **{key: group[0][key] for key in _COUNTS if key in group[0]},
             **{key: _aggregate([row[key] for row in group]) for key in measured},
         }
         summary.append(entry)
     by_key = {(e["task"], e["model"], e["members"], e["method"]): e for e in summary}
     for entry in summary:
-        if entry["method"] in ("single", "deep_ensemble", "mc_dropout"):
+        if not closes_gap(entry["method"]):
             continue
         where = (entry["task"], entry["model"], entry["members"])
-        single = by_key.get((*where, "single"))
-        deep = by_key.get((*where, "deep_ensemble"))
+        single, deep = (by_key.get((*where, end)) for end in GAP)
         if single is None or deep is None:
             continue
         if min(single["seeds"], deep["seeds"]) < 2:
             continue  # one seed has no spread: no noise rule, no ratio
-        metrics = ("nll", "crps") if entry["regression"] else ("nll",)
-        for metric in metrics:
+        for metric in kind_of_entry(entry).gap_metrics:
             suffix = "" if metric == "nll" else f"_{metric}"
             for name, pick in (
                 (f"gap_closed{suffix}", lambda e: e.get("recalibrated")),
@@ -246,11 +244,7 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     Returns:
       The tables, one set per task, model and E.
     """
-    blocks = []
-    for group in groups_of(summary_of(results)).values():
-        blocks.append(
-            regression_block(group, markdown=markdown)
-            if group[0].get("regression")
-            else classification_block(group, markdown=markdown)
-        )
-    return "\n\n".join(blocks)
+    return "\n\n".join(
+        kind_of_entry(group[0]).block(group, markdown=markdown)
+        for group in groups_of(summary_of(results)).values()
+    )

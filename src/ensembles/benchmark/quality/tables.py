@@ -15,6 +15,7 @@ from ensembles.benchmark.quality.calibration import NOISE_STRENGTHS
 from ensembles.benchmark.report import render_table
 
 __all__ = [
+    "GAP",
     "best_row",
     "calibration_tables",
     "cell",
@@ -26,6 +27,15 @@ __all__ = [
     "severity_table",
     "title",
 ]
+
+#: The gap the report measures every other method against: from one model
+#: (the first) to the deep ensemble (the second), by their names in the
+#: method table (:data:`~ensembles.benchmark.quality.methods.METHOD_TABLE`).
+#:
+#: >>> from ensembles.benchmark.quality.methods import QUALITY_METHODS
+#: >>> set(GAP) <= set(QUALITY_METHODS)
+#: True
+GAP: tuple[str, str] = ("single", "deep_ensemble")
 
 #: How a task is named in titles.
 TASK_NAMES = {
@@ -146,14 +156,11 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
     keys = (f"gap_closed{suffix}", f"gap_closed{suffix}_as_trained")
     gaps = [entry[key] for entry in group for key in keys if entry.get(key)]
     seeds = {entry["method"]: entry.get("seeds", 0) for entry in group}
-    if (
-        not gaps
-        and {"single", "deep_ensemble"} <= set(seeds)
-        and min(seeds["single"], seeds["deep_ensemble"]) < 2
-    ):
+    ends = [seeds.get(name) for name in GAP]
+    if not gaps and None not in ends and min(ends) < 2:
         return (
             f"No {metric.upper()} gap closed is given: it needs at least two seeds "
-            "of single and deep_ensemble, whose spread tells a gap from noise "
+            f"of {' and '.join(GAP)}, whose spread tells a gap from noise "
             "(--seeds 2 or more)."
         )
     if gaps and all(value is None for gap in gaps for value in gap.values()):
@@ -185,7 +192,7 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
             ]
             lines.append(
                 f"{entry['method']} closes this much of the {label} "
-                f"{metric.upper()} gap from single to deep_ensemble: "
+                f"{metric.upper()} gap from {GAP[0]} to {GAP[1]}: "
                 + ", ".join(parts)
                 + "."
             )

@@ -1,13 +1,17 @@
 """The mechanics every method of the quality benchmark trains with.
 
 :class:`Context` holds what a recipe shares (the model to build, the data on
-the device, the seed's keys), :func:`objective` the loss of member-major
-outputs (cross entropy of a classifier's logits, or the (beta-)NLL of a
-regressor's Gaussian head), :func:`optimizer` the optimizers and
-:func:`train_steps` the jitted loop; :func:`fast_weight_options`,
-:func:`independent_head_options` and :func:`reinit_first_layer` shape a
-conversion. The recipes themselves, and the constants they use, are
-:mod:`~ensembles.benchmark.quality.methods`'.
+the device, the seed's keys), :class:`Recipe` the options that vary the
+recipes, :func:`optimizer` the optimizers and :func:`train_steps` the jitted
+loop; :func:`fast_weight_options`, :func:`independent_head_options` and
+:func:`reinit_first_layer` shape a conversion. A method is a
+:class:`QualityMethod` (the table of them:
+:data:`~ensembles.benchmark.quality.methods.METHOD_TABLE`), built into a
+:class:`Built` and trained into a :class:`Trained`; what it trains on is a
+:class:`Targets` of its task's kind.
+The loss of a method's outputs is its task kind's
+(:mod:`~ensembles.benchmark.quality.kinds`); the recipes themselves, and the
+constants they use, are :mod:`~ensembles.benchmark.quality.methods`'.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -28,23 +32,29 @@ import ensembles
 from ensembles._checks import check_num_members, check_positive_int
 from ensembles._graph import in_construction_order
 from ensembles.benchmark.quality.models import ModelSpec, build_model
+from ensembles.benchmark.quality.regression.head import BETA, MIN_STD
 
 __all__ = [
+    "EVAL_DRAWS",
+    "FAST_LR_MULTIPLIER",
+    "KL_ANNEALING",
+    "Built",
     "Context",
+    "QualityMethod",
+    "Recipe",
+    "Targets",
+    "Trained",
     "fast_weight_options",
-    "gaussian_pairs",
     "independent_head_options",
-    "objective",
     "optimizer",
     "reinit_first_layer",
     "train_steps",
-    "validation_loss",
 ]
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-    """What every recipe shares: the model, the data on the device, the keys.
+    """What a method's recipe builds with: the model, the data, the keys, the loss.
 
     One root key per seed, one independent stream per use (no key is ever
     used twice: the parameters, the fast weights and the batches of a seed,
@@ -60,6 +70,11 @@ class Context:
       y_all: their labels or targets.
       batch: examples per member per step.
       root: the seed's key.
+      recipe: the recipe's options.
+      loss: ``loss(outputs, targets, num_members)`` of member-major outputs,
+        the task kind's.
+      start: the trained model a method starts from (``finetuned``), or
+        ``None``.
     """
 
     model: ModelSpec
@@ -70,6 +85,9 @@ class Context:
     y_all: jax.Array
     batch: int
     root: jax.Array
+    recipe: Recipe
+    loss: Callable[[jax.Array, jax.Array, int], jax.Array]
+    start: nnx.Module | None
 
     @classmethod
     def of(
@@ -82,26 +100,24 @@ class Context:
         steps: int,
         seed: int,
         batch_size: int,
-        regression: bool,
-        num_classes: int | None,
+        outputs: int,
+        recipe: Recipe,
+        loss: Callable[[jax.Array, jax.Array, int], jax.Array],
+        start: nnx.Module | None,
     ) -> Context:
-        """The context of training ``model`` on ``(x_train, y_train)``."""
-        if regression:
-            num_classes = 2 * math.prod(np.shape(y_train)[1:])
-        elif num_classes is None:
-            num_classes = int(np.max(y_train)) + 1
+        """The context of training ``model`` (``outputs`` wide) on the data."""
         return cls(
             model=model,
             num_members=check_num_members(num_members),
             steps=check_positive_int(steps, "steps"),
-            shape={
-                "input_shape": tuple(np.shape(x_train)[1:]),
-                "num_classes": num_classes,
-            },
+            shape={"input_shape": tuple(np.shape(x_train)[1:]), "num_classes": outputs},
             x_all=jnp.asarray(x_train),
             y_all=jnp.asarray(y_train),
-            batch=min(batch_size, len(x_train)),
+            batch=min(check_positive_int(batch_size, "batch_size"), len(x_train)),
             root=jax.random.key(seed),
+            recipe=recipe,
+            loss=loss,
+            start=start,
         )
 
     def key(self, use: int) -> jax.Array:
@@ -120,73 +136,197 @@ class Context:
         return build_model(self.model, **self.shape, **options)
 
 
-def objective(
-    *, regression: bool, beta: float, min_std: float, diversity: float
-) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
-    """``loss(outputs, targets, num_members)`` of member-major outputs.
+#: The fast weights' learning rate over the shared weights' (the recipe).
+FAST_LR_MULTIPLIER: float = 0.5
 
-    A classifier's: :func:`ensembles.training.cross_entropy`, less
-    ``diversity`` times the mean squared distance of each member's softmax
-    from the members' mean. A regressor's:
-    :func:`ensembles.training.gaussian_nll` (exponent ``beta``) of
-    :func:`ensembles.training.gaussian_head`'s means and spreads (floor
-    ``min_std``).
+#: The share of the steps over which ``rank1``'s KL weight rises from 0 to 1.
+KL_ANNEALING: float = 0.8
+
+#: ``rank1``'s draws of every member's fast weights per prediction (chosen
+#: across tasks over 1: benchmarks/quality_defaults.py).
+EVAL_DRAWS: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The options that vary the recipes: ``train_method``'s keywords.
+
+    A method reads those it has a use for and ignores the others, so that one
+    set of options trains every method (all but ``independent_head``, which
+    the methods that convert no model refuse); a method may fix some
+    (``QualityMethod.fixed``: ``batchensemble_shift`` always has an
+    independent head and member batches, ``rank1`` a posterior). The
+    benchmark keeps the defaults; ``benchmarks/diversity_study.py``,
+    ``benchmarks/quality_defaults.py`` and ``benchmarks/finetune_recipe.py``
+    measure the others.
+
+    Attributes:
+      fast_weight_init: the fast weights' ``r_init`` and ``s_init`` (one for
+        both, or a pair ``(r_init, s_init)``); ``None`` keeps the library's.
+      fast_lr_multiplier: the fast weights' learning rate over the shared
+        weights'.
+      tiled: every member sees the same B examples per step; ``False`` gives
+        each its own B (:func:`ensembles.training.member_batches`).
+      posterior: ``to_batch_ensemble``'s ``posterior``: ``"gaussian"``
+        (``rank1``'s) adds :func:`ensembles.kl_divergence` over the
+        training-set size to the loss and predicts with ``eval_draws``
+        draws; ``None``: none.
+      prior_stddev: the rank-1 prior's scale (``None``: the library's).
+      stddev_init: the initializer of the rank-1 posterior's unconstrained
+        scales (``None``: the library's).
+      kl_annealing: the share of the steps over which the KL weight rises
+        from 0 to 1.
+      eval_draws: a rank-1 member's draws at prediction; each draw counts as
+        a member of the predictive (``[E * draws, N, C]`` logits).
+      first_layer_init: ``(r_init, s_init)`` of the first BatchEnsemble layer
+        (in the model's graph order, its first layer for an
+        ``nnx.Sequential``), the others keeping ``fast_weight_init`` (TabM's
+        recipe: random signs for the first layer's ``r``, ones elsewhere);
+        ``None``: every layer alike.
+      diversity: the weight of a negative-correlation term (Liu & Yao, 1999;
+        Buschjaeger et al., 2020): ``diversity`` times the mean squared
+        distance of each member's softmax from the members' mean is
+        subtracted from the loss, pushing members apart; 0: none
+        (classification only).
+      independent_head: the model's last ``nnx.Linear`` (its output layer)
+        becomes fully independent, a kernel of its own per member drawn
+        afresh (``to_batch_ensemble``'s ``independent``; TabM's heads).
+      beta: a regressor's beta-NLL exponent
+        (:data:`~ensembles.benchmark.quality.regression.head.BETA`).
+      min_std: a regressor's spreads' floor, in standardised target units
+        (:data:`~ensembles.benchmark.quality.regression.head.MIN_STD`).
+
+    Raises:
+      ValueError: if ``eval_draws`` is below 1.
+      TypeError: if ``eval_draws`` is not an integer.
     """
-    if not regression:
 
-        def classify(outputs, labels, num_members):
-            loss = ensembles.training.cross_entropy(
-                outputs, labels, num_members=num_members
-            )
-            if diversity:
-                probs = jax.nn.softmax(ensembles.untile(outputs, num_members), -1)
-                spread = jnp.sum((probs - probs.mean(axis=0)) ** 2, axis=-1)
-                loss = loss - diversity * jnp.mean(spread)
-            return loss
+    fast_weight_init: Initializer | tuple[Initializer, Initializer] | None = None
+    fast_lr_multiplier: float = FAST_LR_MULTIPLIER
+    tiled: bool = True
+    posterior: str | None = None
+    prior_stddev: float | None = None
+    stddev_init: Initializer | None = None
+    kl_annealing: float = KL_ANNEALING
+    eval_draws: int = EVAL_DRAWS
+    first_layer_init: tuple[Initializer, Initializer] | None = None
+    diversity: float = 0.0
+    independent_head: bool = False
+    beta: float = BETA
+    min_std: float = MIN_STD
 
-        return classify
-
-    def regress(outputs, targets, num_members):
-        means, stds = ensembles.training.gaussian_head(
-            gaussian_pairs(outputs, targets.shape[1:]), min_std=min_std
-        )
-        return ensembles.training.gaussian_nll(
-            means, stds, targets, num_members=num_members, beta=beta
-        )
-
-    return regress
+    def __post_init__(self):
+        draws = check_positive_int(self.eval_draws, "eval_draws")
+        object.__setattr__(self, "eval_draws", draws)  # frozen: set once, here
 
 
-def gaussian_pairs(outputs: jax.Array, target_shape: tuple[int, ...]) -> jax.Array:
-    """A regressor's ``[..., 2 D]`` outputs as ``[..., (D,) 2]`` pairs."""
-    return outputs.reshape(*outputs.shape[:-1], *target_shape, 2)
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """A training split's targets, as its task's kind trains on and scores them.
 
-
-def validation_loss(
-    predict_fn: Callable,
-    x_valid: np.ndarray,
-    y_valid: np.ndarray,
-    regression: bool,
-    min_std: float,
-) -> Callable[[nnx.Module], jax.Array]:
-    """The method's NLL on held-out examples, as it predicts (for early stopping).
-
-    A classifier's: :func:`ensembles.uncertainty.nll` of its member logits;
-    a regressor's: :func:`ensembles.uncertainty.mixture_nll` of its members'
-    Gaussians (targets as it trains on them, standardised).
+    Attributes:
+      y_train: what the methods train on: the labels, or a regressor's
+        targets standardised.
+      options: ``train_method``'s keywords the kind adds (a classifier's
+        ``num_classes``; a regressor's ``regression`` and
+        ``early_stopping``).
+      scale: a regressor's
+        :class:`~ensembles.benchmark.quality.regression.head.TargetScale`
+        (its predictions back in the targets' units); ``None`` for a
+        classifier.
     """
-    x, y = jnp.asarray(x_valid), jnp.asarray(y_valid)
 
-    def loss(model):
-        outputs = predict_fn(model, x)
-        if not regression:
-            return ensembles.uncertainty.nll(outputs, y)
-        means, stds = ensembles.training.gaussian_head(
-            gaussian_pairs(outputs, y.shape[1:]), min_std=min_std
-        )
-        return ensembles.uncertainty.mixture_nll(means, stds, y)
+    y_train: np.ndarray
+    options: dict[str, Any]
+    scale: Any = None
 
-    return loss
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """A trained method.
+
+    Attributes:
+      method: its name (one of
+        :data:`~ensembles.benchmark.quality.methods.QUALITY_METHODS`, or a
+        method of your own's).
+      predict: maps ``[N, ...]`` examples to member logits ``[E, N, C]``
+        (``[1, N, C]`` for ``single``; ``[E * eval_draws, N, C]`` for
+        ``rank1``, every draw a member), the layout of
+        :mod:`ensembles.uncertainty`.
+      params: parameters of the whole method (all members).
+      train_s: wall-clock seconds of all training steps (and early
+        stopping's checks), the first step's compilation included.
+      model: the trained model (what ``finetuned`` starts from).
+      best_step: the steps the kept parameters trained: all of them, or with
+        early stopping those of the best check.
+    """
+
+    method: str
+    predict: Callable[[np.ndarray], jax.Array]
+    params: int
+    train_s: float
+    model: Any = None
+    best_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A method's model, built and ready to train.
+
+    Attributes:
+      net: the model (all members).
+      loss: ``loss(model, key, step)``: the loss of a batch drawn from ``key``.
+      predict: ``predict(model, x)``: member outputs ``[E, N, ...]``.
+      optimizer: its optimizer.
+    """
+
+    net: nnx.Module
+    loss: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array]
+    predict: Callable[[nnx.Module, jax.Array], jax.Array]
+    optimizer: nnx.Optimizer
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QualityMethod:
+    """One method of the quality benchmark: its model, training and prediction.
+
+    Attributes:
+      name: its name in ``--methods``, the rows and the tables.
+      build: ``build(method, context) -> Built`` (a
+        :class:`~ensembles.benchmark.quality.training.Context`): its model,
+        its loss, its prediction and its optimizer.
+      fixed: the recipe options it always has, over ``train_method``'s
+        (:class:`~ensembles.benchmark.quality.training.Recipe`'s names).
+      one_model: it does not depend on E: trained once per model and seed,
+        as one model, and its row repeated for every E.
+      starts_from: the method whose trained model (of the same model and
+        seed) it starts from, or ``None``.
+      steps_share: the share of the steps it trains (at least one).
+      dropout: the dropout rate its model is built with (0: none; a
+        factory must then take a ``dropout`` keyword).
+      keeps_drawing: it predicts in training mode (dropout masks, rank-1
+        draws), not after ``model.eval()``.
+      no_head: why an independent head (``independent_head=True``) does not
+        apply to it, or ``None`` where it does.
+      closes_gap: the report gives the share of the gap from one model to
+        the deep ensemble (:data:`~ensembles.benchmark.quality.tables.GAP`)
+        that it closes.
+    """
+
+    name: str
+    build: Callable[[QualityMethod, Context], Built]
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    one_model: bool = False
+    starts_from: QualityMethod | None = None
+    steps_share: float = 1.0
+    dropout: float = 0.0
+    keeps_drawing: bool = False
+    no_head: str | None = None
+    closes_gap: bool = True
+
+    def steps(self, steps: int) -> int:
+        """The steps it trains when the others train ``steps``."""
+        return max(1, int(steps * self.steps_share))
 
 
 def optimizer(
@@ -288,25 +428,21 @@ def independent_head_options(model: nnx.Module) -> dict[str, Any]:
     }
 
 
-def fast_weight_options(
-    method: str,
-    fast_weight_init: Initializer | tuple[Initializer, Initializer] | None,
-    prior_stddev: float | None,
-    stddev_init: Initializer | None,
-) -> dict[str, Any]:
-    """``to_batch_ensemble``'s keyword arguments for ``batchensemble``/``rank1``."""
-    if fast_weight_init is None:
+def fast_weight_options(recipe: Recipe) -> dict[str, Any]:
+    """``to_batch_ensemble``'s keyword arguments for the fast weights of ``recipe``."""
+    init = recipe.fast_weight_init
+    if init is None:
         options = {}
-    elif isinstance(fast_weight_init, tuple):
-        options = dict(zip(("r_init", "s_init"), fast_weight_init, strict=True))
+    elif isinstance(init, tuple):
+        options = dict(zip(("r_init", "s_init"), init, strict=True))
     else:
-        options = {"r_init": fast_weight_init, "s_init": fast_weight_init}
-    if method == "rank1":
-        options["posterior"] = "gaussian"
-        if prior_stddev is not None:
-            options["prior_stddev"] = prior_stddev
-        if stddev_init is not None:
-            options["stddev_init"] = stddev_init
+        options = {"r_init": init, "s_init": init}
+    if recipe.posterior is not None:
+        options["posterior"] = recipe.posterior
+        if recipe.prior_stddev is not None:
+            options["prior_stddev"] = recipe.prior_stddev
+        if recipe.stddev_init is not None:
+            options["stddev_init"] = recipe.stddev_init
     return options
 
 

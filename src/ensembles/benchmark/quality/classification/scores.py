@@ -27,6 +27,7 @@ from ensembles.benchmark.quality.calibration import (
     CLASSIFIER_CALIBRATIONS,
     cached,
     calibrate_classifier,
+    classifier_diversity,
     diversity,
     diversity_sets,
 )
@@ -45,7 +46,7 @@ from ensembles.benchmark.quality.measures import (
     nan_like,
     over_shifts,
 )
-from ensembles.benchmark.quality.methods import Trained
+from ensembles.benchmark.quality.training import Trained
 
 __all__ = ["METRICS", "TEMPERATURE_BOUNDS", "evaluate"]
 
@@ -172,7 +173,9 @@ def evaluate(
             )
         )
     result = _measure_sets(predict, data, mutual_information=True)
-    result["diversity"] = diversity(predict, diversity_sets(data), regression=False)
+    result["diversity"] = diversity(
+        lambda x: classifier_diversity(predict(x)), diversity_sets(data)
+    )
     result["temperature"] = temperature
     # At a bound the validation set did not identify T (no errors on it, say).
     result["temperature_at_bound"] = at_bound(temperature, TEMPERATURE_BOUNDS)

@@ -1,7 +1,8 @@
-"""The panels only a regression task's figure has (``--quality --plot``).
+"""A regression task's row of the figure (``--quality --plot``).
 
-Beside the severity panels every task's figure has
-(:mod:`~ensembles.benchmark.quality.plots`), a regression task's row has the
+:func:`regression_row` draws NLL, CRPS and 90% coverage (recalibrated, and
+the split-conformal intervals' as trained) and the NLL as trained against
+severity (:func:`~ensembles.benchmark.quality.panels.severity_panel`), the
 PIT reliability diagram in distribution (:func:`reliability_panel`) and, for
 a task of one input, a second row with every method's predictive: its mean
 and 90% band over the whole input range and the training points
@@ -13,10 +14,37 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ensembles.benchmark.quality.panels import severity_panel
 from ensembles.benchmark.quality.regression.scores import PIT_LEVELS
 from ensembles.benchmark.quality.tables import mean_and_std, method_label
 
-__all__ = ["band_panels", "reliability_panel"]
+__all__ = ["band_panels", "regression_row", "reliability_panel", "rows_of_panels"]
+
+# The severity panels: (where in a summary entry, metric, title).
+_PANELS = (
+    ("recalibrated", "nll", "NLL, recalibrated"),
+    ("recalibrated", "crps", "CRPS, recalibrated"),
+    ("recalibrated", "coverage90", "90% coverage, recalibrated"),
+    (None, "nll", "NLL, as trained"),
+)
+
+
+def rows_of_panels(group: list[dict[str, Any]]) -> int:
+    """Two rows of panels for a task of one input (its bands), else one."""
+    return 2 if "bands" in group[0]["recalibrated"] else 1
+
+
+def regression_row(figure: Any, group: list[dict[str, Any]], width: int) -> None:
+    """A regression task's panels, ``width`` to a row (see the module)."""
+    grid = figure.subplots(rows_of_panels(group), width, squeeze=False)
+    for ax, panel in zip(grid[0], _PANELS, strict=False):
+        severity_panel(ax, group, *panel)
+    reliability_panel(grid[0][len(_PANELS)], group)
+    for ax in grid[0][len(_PANELS) + 1 :]:
+        ax.set_visible(False)
+    grid[0][0].legend(fontsize=8)
+    if len(grid) > 1:
+        band_panels(grid[1], group)
 
 
 def reliability_panel(ax: Any, group: list[dict[str, Any]]) -> None:

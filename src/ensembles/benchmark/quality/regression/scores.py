@@ -24,10 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ensembles import training, uncertainty
+from ensembles import uncertainty
 from ensembles._checks import as_real_array
 from ensembles.benchmark.quality.calibration import (
     REGRESSOR_CALIBRATIONS,
@@ -35,6 +34,7 @@ from ensembles.benchmark.quality.calibration import (
     calibrate_regressor,
     diversity,
     diversity_sets,
+    regressor_diversity,
 )
 from ensembles.benchmark.quality.data import QualityData
 from ensembles.benchmark.quality.measures import (
@@ -43,8 +43,8 @@ from ensembles.benchmark.quality.measures import (
     nan_like,
     over_shifts,
 )
-from ensembles.benchmark.quality.methods import MIN_STD, Trained
-from ensembles.benchmark.quality.training import gaussian_pairs
+from ensembles.benchmark.quality.regression.head import TargetScale
+from ensembles.benchmark.quality.training import Trained
 
 __all__ = [
     "PIT_LEVELS",
@@ -83,36 +83,6 @@ _BAND_POINTS = 200
 _BAND_EXAMPLES = 300
 
 _LEVEL = 0.9
-
-
-class TargetScale:
-    """The training targets' mean and standard deviation (per output).
-
-    The methods train on standardised targets; their predictions are mapped
-    back to the targets' units before anything is scored.
-
-    Args:
-      targets: ``[N]`` or ``[N, D]`` training targets.
-    """
-
-    def __init__(self, targets: np.ndarray):
-        targets = np.asarray(targets, np.float64)
-        self.mean = targets.mean(axis=0)
-        self.std = np.maximum(targets.std(axis=0), 1e-12)
-        self.shape = targets.shape[1:]
-
-    def standardise(self, targets: np.ndarray) -> np.ndarray:
-        """``(targets - mean) / std``, float32."""
-        return np.asarray((np.asarray(targets) - self.mean) / self.std, np.float32)
-
-    def members(self, outputs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """A method's ``[E, N, 2 D]`` outputs as means and stds in target units."""
-        means, stds = training.gaussian_head(
-            gaussian_pairs(outputs, self.shape), min_std=MIN_STD
-        )
-        mean = jnp.asarray(self.mean, jnp.float32)
-        std = jnp.asarray(self.std, jnp.float32)
-        return means * std + mean, stds * std
 
 
 @jax.jit
@@ -329,7 +299,9 @@ def evaluate_regression(
     result = _measure_sets(
         predict, data, None if diverged else (conformal, margin), ood=True
     )
-    result["diversity"] = diversity(predict, diversity_sets(data), regression=True)
+    result["diversity"] = diversity(
+        lambda x: regressor_diversity(predict(x)), diversity_sets(data)
+    )
     result.update(
         std_scale=std_scale,
         std_scale_at_bound=at_bound(std_scale, SCALE_BOUNDS),

@@ -50,23 +50,21 @@ from ensembles.benchmark.cost.models import (
 from ensembles.benchmark.cost.steps import compile_train, merge, rest_of, train_loss
 
 __all__ = [
+    "DEEP_ENSEMBLE",
+    "DEEP_ENSEMBLE_LOOP",
     "LEARNING_RATE",
     "METHODS",
+    "METHOD_TABLE",
     "MODES",
+    "SINGLE",
+    "SINGLE_B",
+    "CostMethod",
     "MemoryStats",
     "Prepared",
+    "Setup",
+    "cost_method",
     "prepare_method",
 ]
-
-#: The compared methods, in table order.
-METHODS: tuple[str, ...] = (
-    "single",
-    "single_b",
-    "batchensemble",
-    "rank1",
-    "deep_ensemble",
-    "deep_ensemble_loop",
-)
 
 #: ``forward``: inference; ``train``: forward + backward + optimizer update.
 MODES: tuple[str, ...] = ("forward", "train")
@@ -134,6 +132,135 @@ class Prepared:
     loss: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every method of one model, mode and E is prepared from.
+
+    Attributes:
+      model: a name of :data:`~ensembles.benchmark.MODELS`, or a factory.
+      mode: one of :data:`MODES`.
+      num_members: E.
+      batch: samples per member B.
+      width: the benchmark's models' width (``None``: the default).
+      impl: the BatchEnsemble op implementation.
+      fast_weight_init: the conversion's ``r_init`` and ``s_init``.
+      seed: seed of the parameters and of the data.
+      x: the ``E*B`` member-samples, member-major.
+      labels: their labels (or regression targets).
+    """
+
+    model: str | Callable[[nnx.Rngs], nnx.Module]
+    mode: str
+    num_members: int
+    batch: int
+    width: int | None
+    impl: str
+    fast_weight_init: ensembles.initializers.Initializer | None
+    seed: int
+    x: jax.Array
+    labels: jax.Array
+
+    def plain(self, member: int = 0) -> nnx.Module:
+        """Member ``member``'s plain model (seed + member)."""
+        return build_model(
+            self.model, width=self.width, rngs=nnx.Rngs(self.seed + member)
+        )
+
+    def per_member(self, array: jax.Array) -> jax.Array:
+        """``[E*B, ...]`` rows as ``[E, B, ...]``: each member's own."""
+        return array.reshape(self.num_members, self.batch, *array.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CostMethod:
+    """One way of running an ensemble that the cost benchmark times.
+
+    Attributes:
+      name: its name in the rows and tables.
+      prepare: ``prepare(method, setup) -> Prepared``: built, jitted and
+        compiled.
+      one_member_rows: it runs one member's B rows, not all ``E*B``
+        (``single_b``: what a prediction costs without an ensemble).
+      posterior: ``to_batch_ensemble``'s ``posterior`` (``rank1``'s
+        ``"gaussian"``: every step draws, a train step adds the KL).
+      deep: a deep ensemble's form (``"vmap"``, ``"loop"``): the ratios'
+        "vs deep" take the faster of them; ``None`` for the others.
+    """
+
+    name: str
+    prepare: Callable[[CostMethod, Setup], Prepared]
+    one_member_rows: bool = False
+    posterior: str | None = None
+    deep: str | None = None
+
+    def samples(self, num_members: int, batch: int) -> int:
+        """The member-samples one of its steps processes."""
+        return batch if self.one_member_rows else num_members * batch
+
+
+def _one_model(method: CostMethod, setup: Setup) -> Prepared:
+    """One plain model (member 0), on all rows or one member's."""
+    x, labels = setup.x, setup.labels
+    if method.one_member_rows:
+        x, labels = x[: setup.batch], labels[: setup.batch]
+    return _prepare_one(method, setup.plain(), setup.mode, x, labels)
+
+
+def _converted(method: CostMethod, setup: Setup) -> Prepared:
+    """Member 0 converted (:func:`~ensembles.benchmark.cost.checks.convert`)."""
+    module = convert(
+        setup.plain(),
+        setup.num_members,
+        fast_weight_init=setup.fast_weight_init,
+        seed=setup.seed,
+        posterior=method.posterior,
+    )
+    view = nnx.view(module, impl=setup.impl)
+    return _prepare_one(method, view, setup.mode, setup.x, setup.labels)
+
+
+def _vmapped(method: CostMethod, setup: Setup) -> Prepared:
+    """E plain models, stacked and run with ``nnx.vmap``."""
+    members = [setup.plain(k) for k in range(setup.num_members)]
+    xs, ys = setup.per_member(setup.x), setup.per_member(setup.labels)
+    return _prepare_vmap(method, members, setup.mode, xs, ys)
+
+
+def _looped(method: CostMethod, setup: Setup) -> Prepared:
+    """E plain models, one jitted step each, called in a Python loop."""
+    members = [setup.plain(k) for k in range(setup.num_members)]
+    xs, ys = setup.per_member(setup.x), setup.per_member(setup.labels)
+    return _prepare_loop(method, members, setup.mode, xs, ys)
+
+
+# The methods the rows' ratios divide by (their keys name them): one plain
+# model on all E*B rows and on one member's B rows, the two deep ensembles.
+SINGLE = CostMethod("single", _one_model)
+SINGLE_B = CostMethod("single_b", _one_model, one_member_rows=True)
+DEEP_ENSEMBLE = CostMethod("deep_ensemble", _vmapped, deep="vmap")
+DEEP_ENSEMBLE_LOOP = CostMethod("deep_ensemble_loop", _looped, deep="loop")
+
+#: Every method, in table order (see the module for each).
+METHOD_TABLE: tuple[CostMethod, ...] = (
+    SINGLE,
+    SINGLE_B,
+    CostMethod("batchensemble", _converted),
+    CostMethod("rank1", _converted, posterior="gaussian"),
+    DEEP_ENSEMBLE,
+    DEEP_ENSEMBLE_LOOP,
+)
+
+#: The compared methods' names, in table order.
+METHODS: tuple[str, ...] = tuple(method.name for method in METHOD_TABLE)
+
+_BY_NAME = {method.name: method for method in METHOD_TABLE}
+
+
+def cost_method(name: str) -> CostMethod:
+    """The method of :data:`METHOD_TABLE` named ``name``."""
+    return _BY_NAME[name]
+
+
 def prepare_method(
     method: str,
     model: str | Callable[[nnx.Rngs], nnx.Module],
@@ -195,7 +322,7 @@ def prepare_method(
         convert completely.
       ImportError: if ``mode="train"`` and optax is not installed.
     """
-    if method not in METHODS:
+    if method not in _BY_NAME:
         raise ValueError(f"`method` must be one of {list(METHODS)}, got {method!r}.")
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}.")
@@ -207,31 +334,10 @@ def prepare_method(
         input_shape=input_shape,
         seed=seed,
     )
-    if method in ("single", "single_b"):
-        module = build_model(model, width=width, rngs=nnx.Rngs(seed))
-        if method == "single_b":  # one member's share of the rows
-            x, labels = x[:batch], labels[:batch]
-        return _prepare_one(method, module, mode, x, labels)
-    if method in ("batchensemble", "rank1"):
-        base = build_model(model, width=width, rngs=nnx.Rngs(seed))
-        posterior = "gaussian" if method == "rank1" else None
-        module = convert(
-            base,
-            num_members,
-            fast_weight_init=fast_weight_init,
-            seed=seed,
-            posterior=posterior,
-        )
-        return _prepare_one(method, nnx.view(module, impl=impl), mode, x, labels)
-    members = [
-        build_model(model, width=width, rngs=nnx.Rngs(seed + k))
-        for k in range(num_members)
-    ]
-    xs = x.reshape(num_members, batch, *x.shape[1:])
-    ys = labels.reshape(num_members, batch, *labels.shape[1:])
-    if method == "deep_ensemble":
-        return _prepare_vmap(members, mode, xs, ys)
-    return _prepare_loop(members, mode, xs, ys)
+    setup = Setup(
+        model, mode, num_members, batch, width, impl, fast_weight_init, seed, x, labels
+    )
+    return _BY_NAME[method].prepare(_BY_NAME[method], setup)
 
 
 def _count(params) -> tuple[int, int]:
@@ -252,7 +358,7 @@ def _memory(compiled, calls: int = 1) -> MemoryStats:
     )
 
 
-def _prepare_one(method, module, mode, x, labels) -> Prepared:
+def _prepare_one(method: CostMethod, module, mode, x, labels) -> Prepared:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     num_params, param_bytes = _count(params)
 
@@ -262,7 +368,7 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
     if mode == "forward":
         compiled = jax.jit(forward).lower(params, rest, x).compile()
         return Prepared(
-            method,
+            method.name,
             lambda: compiled(params, rest, x),
             lambda: params,
             num_params,
@@ -275,7 +381,7 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
     def loss_fn(params, rest, x, y):
         model = merge(graphdef, params, rest)
         loss = loss_of(model(x), y)
-        if method == "rank1":
+        if method.posterior is not None:
             # The rank-1 loss (docs/rank1.md), over a data set of these rows.
             loss = loss + ensembles.kl_divergence(model) / x.shape[0]
         return loss, (loss, rest_of(model))
@@ -285,7 +391,7 @@ def _prepare_one(method, module, mode, x, labels) -> Prepared:
     )
     step, current = _stateful(compiled, params, opt_state, rest, x, labels)
     return Prepared(
-        method,
+        method.name,
         step,
         current,
         num_params,
@@ -312,7 +418,7 @@ def _stateful(compiled, params, opt_state, rest, *data):
     return step, lambda: state["params"]
 
 
-def _prepare_vmap(members, mode, xs, ys) -> Prepared:
+def _prepare_vmap(method: CostMethod, members, mode, xs, ys) -> Prepared:
     graphdef, *_ = nnx.split(members[0], nnx.Param, ...)
     splits = [nnx.split(member, nnx.Param, ...)[1:] for member in members]
     params = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(p for p, _ in splits))
@@ -332,7 +438,7 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
 
         compiled = jax.jit(predict).lower(params, rest, xs).compile()
         return Prepared(
-            "deep_ensemble",
+            method.name,
             lambda: compiled(params, rest, xs),
             lambda: params,
             num_params,
@@ -353,7 +459,7 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
     )
     step, current = _stateful(compiled, params, opt_state, rest, xs, ys)
     return Prepared(
-        "deep_ensemble",
+        method.name,
         step,
         current,
         num_params,
@@ -363,7 +469,7 @@ def _prepare_vmap(members, mode, xs, ys) -> Prepared:
     )
 
 
-def _prepare_loop(members, mode, xs, ys) -> Prepared:
+def _prepare_loop(method: CostMethod, members, mode, xs, ys) -> Prepared:
     graphdef, *_ = nnx.split(members[0], nnx.Param, ...)
     splits = [nnx.split(member, nnx.Param, ...)[1:] for member in members]
     params = [p for p, _ in splits]
@@ -388,7 +494,7 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
             return jnp.concatenate(outs)
 
         return Prepared(
-            "deep_ensemble_loop",
+            method.name,
             predict,
             lambda: params,
             num_params,
@@ -418,7 +524,7 @@ def _prepare_loop(members, mode, xs, ys) -> Prepared:
         return losses
 
     return Prepared(
-        "deep_ensemble_loop",
+        method.name,
         step,
         lambda: params,
         num_params,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ensembles.benchmark.cost.methods import METHODS
+from ensembles.benchmark.cost.methods import METHODS, cost_method
 from ensembles.benchmark.report import render_table
 
 __all__ = [
@@ -95,10 +95,7 @@ def _title(key: tuple, group: list[dict[str, Any]] | None = None) -> str:
     title = f"{model} {mode}: B={batch} per member{shape}, impl={impl}"
     if group:
         best = {row["members"]: row["best_deep_ensemble"] for row in group}
-        named = ", ".join(
-            f"E={e}: {'vmap' if b == 'deep_ensemble' else 'loop'}"
-            for e, b in best.items()
-        )
+        named = ", ".join(f"E={e}: {cost_method(b).deep}" for e, b in best.items())
         title += (
             f"; 'vs deep' and 'params/deep' against the faster deep ensemble "
             f"({named}), 'memory/vmap deep' against the vmapped one (all E "

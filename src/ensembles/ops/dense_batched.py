@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ensembles.ops import groups
+
 __all__ = ["member_matmul"]
 
 
@@ -66,9 +68,13 @@ def _member(vectors, like):
     return vectors.reshape(vectors.shape[0], *(1,) * (like.ndim - 2), -1)
 
 
-def _stack(kernel, num_members):
-    """``kernel`` broadcast to ``[E, in, out]``: read per member, never written."""
-    return jnp.broadcast_to(kernel, (num_members, *kernel.shape))
+def _stack(kernel, like):
+    """``kernel`` broadcast to ``[E, in, out]``: read per member, never written.
+
+    Placed as ``like``'s members (or groups) under an explicit mesh.
+    """
+    stacked = jnp.broadcast_to(kernel, (like.shape[0], *kernel.shape))
+    return groups.place_as_groups(stacked, like)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
@@ -94,10 +100,9 @@ def member_matmul(x3, kernel, r, s, precision, preferred_element_type):
     Returns:
       ``[E, B, ..., out]``.
     """
-    num_members = x3.shape[0]
     z = _batched(
         x3 * _member(r, x3),
-        _stack(kernel, num_members),
+        _stack(kernel, x3),
         precision,
         preferred_element_type,
     )
@@ -107,8 +112,7 @@ def member_matmul(x3, kernel, r, s, precision, preferred_element_type):
 def _member_matmul_jvp(precision, pet, primals, tangents):
     x3, kernel, r, s = primals
     dx, dkernel, dr, ds = (None if type(t) is SymbolicZero else t for t in tangents)
-    num_members = x3.shape[0]
-    stacked = _stack(kernel, num_members)
+    stacked = _stack(kernel, x3)
     scaled = x3 * _member(r, x3)
     z = _batched(scaled, stacked, precision, pet)
     s_rows = _member(s, z)

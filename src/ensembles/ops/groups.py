@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["group_weights", "member_groups", "row_shards"]
+__all__ = ["group_weights", "member_groups", "place_as_groups", "row_shards"]
 
 
 def _explicit_sharding(array: Any) -> jax.sharding.NamedSharding | None:
@@ -164,6 +164,31 @@ def group_weights(weights: jax.Array, groups: int, like: jax.Array) -> jax.Array
     return weights.at[member].get(
         mode="clip", indices_are_sorted=True, out_sharding=placed
     )
+
+
+def place_as_groups(array: jax.Array, like: jax.Array) -> jax.Array:
+    """``array`` (``[G, ...]``) placed as the groups of ``like``: where they lie.
+
+    Only under an explicit mesh, where each value's placement is part of its
+    type and a matmul batched over the groups needs both operands' groups on
+    the same devices (the shared kernel broadcast to ``[G, in, out]`` would
+    otherwise be typed replicated, which jax 0.12 refuses); a resharding of a
+    replicated value to a split one is each device's slice, no transfer.
+    Elsewhere ``array`` is returned as it is.
+
+    >>> import jax.numpy as jnp
+    >>> place_as_groups(jnp.ones((4, 3)), jnp.ones((4, 2, 3))).shape
+    (4, 3)
+
+    Args:
+      array: ``[G, ...]``.
+      like: the ``[G, R, ...]`` (or flat) activations whose groups it pairs with.
+
+    Returns:
+      ``array``, resharded under an explicit mesh.
+    """
+    placed = _group_sharding(like, array.ndim)
+    return array if placed is None else jax.sharding.reshard(array, placed)
 
 
 def _group_sharding(like: Any, ndim: int) -> jax.sharding.NamedSharding | None:

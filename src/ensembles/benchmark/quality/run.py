@@ -6,8 +6,8 @@ hold a validation split out of the training set (:func:`split_validation`)
 and let the task's kind (:mod:`~ensembles.benchmark.quality.kinds`) say what
 the methods train on (:class:`Task`), then train every method of the table
 (:mod:`~ensembles.benchmark.quality.methods`) for every model, E and seed
-and measure it with the kind's scores (:func:`measure_method`), one row each
-(:func:`quality_row`).
+and measure it with the kind's scores (:func:`train_and_measure`), one row
+each (:func:`quality_row`).
 
 Your own classifier and data: a factory ``rngs -> nnx.Module`` (rows are
 named after it) and a :class:`QualityData` of your arrays, with whatever
@@ -72,12 +72,12 @@ __all__ = [
     "MIN_VALIDATION",
     "VALIDATION_FRACTION",
     "Task",
-    "measure_method",
     "prepare_task",
     "quality_row",
     "run_quality",
     "run_task",
     "split_validation",
+    "train_and_measure",
     "validation_size",
 ]
 
@@ -192,6 +192,15 @@ class Task:
         default_factory=dict
     )
 
+    def describe(self, note: str = "") -> str:
+        """Its training examples (and ``note`` on them), those held out, its steps."""
+        held = "more held out" if self.data.x_valid is not None else "of them held out"
+        return (
+            f"{len(self.data.x_train):,} training examples{note}, "
+            f"{len(self.x_valid):,} {held} to fit {self.kind.fitted}; "
+            f"{self.steps} training steps per method"
+        )
+
 
 def prepare_task(
     data: QualityData, steps: int, show: Callable[[str], None] = print
@@ -281,42 +290,33 @@ def run_task(
     rows = []
     for index, (model, num_members, seed, method) in enumerate(runs, 1):
         where = f"[{index}/{len(runs)}] {model_name(model)} E={num_members} seed {seed}"
-        measured = measure_method(task, method, model, num_members, seed, where)
+        _, measured = train_and_measure(task, method, model, num_members, seed, where)
         rows.append(quality_row(task, method, model, num_members, seed, measured))
     return rows
 
 
-def measure_method(
+def train_and_measure(
     task: Task,
     method: QualityMethod,
     model: ModelSpec,
     num_members: int,
     seed: int,
     where: str,
-) -> dict[str, Any]:
-    """One method trained (a ``one_model`` method: once) and measured.
+) -> tuple[Trained, dict[str, Any]]:
+    """One method trained and measured: the trained method and its figures.
 
     A ``one_model`` method (``single``) does not depend on E: it is trained
-    once per model and seed, its row repeated for every E, and its model the
-    start of a method that ``starts_from`` it (``finetuned``).
+    once per model and seed (as one model), its figures repeated for every E
+    and its model the start of a method that ``starts_from`` it
+    (``finetuned``), trained first where it was not yet.
     """
-    if method.one_model:
-        return _trained_once(task, method, model, seed, where)[1]
+    key = (method.name, id(model), seed)
+    if method.one_model and key in task.trained_once:
+        return task.trained_once[key]
     start = None
     if method.starts_from is not None:
-        start = _trained_once(task, method.starts_from, model, seed, where)[0].model
-    return _train_and_measure(task, method, model, num_members, seed, where, start)[1]
-
-
-def _trained_once(task, method, model, seed, where) -> tuple[Trained, dict]:
-    key = (method.name, id(model), seed)
-    if key not in task.trained_once:
-        trained = _train_and_measure(task, method, model, 1, seed, where)
-        task.trained_once[key] = trained
-    return task.trained_once[key]
-
-
-def _train_and_measure(task, method, model, num_members, seed, where, start=None):
+        start = train_and_measure(task, method.starts_from, model, 1, seed, where)
+        start = start[0].model
     steps = method.steps(task.steps)
     task.show(f"{where}: training {method.name} ({steps} steps)")
     trained = train_method(
@@ -325,7 +325,7 @@ def _train_and_measure(task, method, model, num_members, seed, where, start=None
         model,
         task.train.x_train,
         task.targets.y_train,
-        num_members=num_members,
+        num_members=1 if method.one_model else num_members,
         steps=steps,
         seed=seed,
         start=start,
@@ -336,12 +336,18 @@ def _train_and_measure(task, method, model, num_members, seed, where, start=None
     )
     if measured["diverged"]:
         task.show(f"{trained.method} diverged: its figures are NaN")
-    return trained, {
-        "params": trained.params,
-        "train_s": trained.train_s,
-        "best_step": trained.best_step,
-        **measured,
-    }
+    result = (
+        trained,
+        {
+            "params": trained.params,
+            "train_s": trained.train_s,
+            "best_step": trained.best_step,
+            **measured,
+        },
+    )
+    if method.one_model:
+        task.trained_once[key] = result
+    return result
 
 
 def quality_row(

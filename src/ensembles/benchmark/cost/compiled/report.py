@@ -13,7 +13,6 @@ import collections
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ensembles.benchmark.cost.compiled import chips as chips_module
 from ensembles.benchmark.cost.compiled.hlo import Kernel
 from ensembles.benchmark.cost.compiled.programs import (
     Comparison,
@@ -78,6 +77,11 @@ def run_comparisons(
 ) -> list[Comparison]:
     """Every comparison asked for, chip by chip (libtpu allows one at a time).
 
+    Start the chips' compilers first
+    (:func:`~ensembles.benchmark.cost.compiled.chips.start_compilers`, as
+    ``ensembles-bench`` does before anything else runs JAX), so that their
+    start-up lines stay off stderr.
+
     Args:
       chips: names of :data:`ensembles.benchmark.cost.compiled.chips.CHIPS`.
       models: benchmark model names or factories.
@@ -99,7 +103,6 @@ def run_comparisons(
     Returns:
       The :class:`~ensembles.benchmark.cost.compiled.programs.Comparison` of each.
     """
-    chips_module.start_compilers(chips, mesh)
     rows = []
     for chip in chips:
         for model in models:

@@ -244,36 +244,67 @@ def calibration_tables(
     """
     if not any("calibrations" in entry for entry in group):
         return []
-    # A kind's own calibrations (a classifier's ETS, a regressor's spread):
-    # the columns some entry has.
-    columns = [
+    columns = _calibration_columns(group)
+    header = ["method", *(name for name, _ in columns)]
+    return [
+        "",
+        _calibration_caption(second),
+        "",
+        render_table(
+            header,
+            _calibration_rows(group, columns, "nll"),
+            markdown=markdown,
+            left=0,
+        ),
+        "",
+        f"{'ECE' if second == 'ece' else '90% coverage'} in distribution / under "
+        f"shift, the same calibrations:",
+        "",
+        render_table(
+            header,
+            _calibration_rows(group, columns, second),
+            markdown=markdown,
+            left=0,
+        ),
+        *_diversity_table(group, markdown=markdown),
+    ]
+
+
+def _calibration_columns(group: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The calibrations some entry has: a kind's own (ETS, spread) among them."""
+    return [
         (name, where)
         for name, where in _CALIBRATION_COLUMNS
         if any(_calibrated(entry, where) is not None for entry in group)
     ]
-    header = ["method", *(name for name, _ in columns)]
 
-    def rows(metric):
-        table = []
-        for entry in group:
-            cells = [entry["method"]]
-            for _, where in columns:
-                figures = _calibrated(entry, where)
-                if figures is None:
-                    cells.append("n/a")
-                    continue
-                values = [
-                    mean_cell(figures[part].get(metric))
-                    for part in ("in_distribution", "shift_mean")
-                ]
-                cells.append(" / ".join(values))
-            table.append(cells)
-        return table
 
+def _calibration_rows(
+    group: list[dict[str, Any]], columns: list[tuple[str, str]], metric: str
+) -> list[list[str]]:
+    """One row a method: its ``metric`` in distribution / under shift a column."""
+    table = []
+    for entry in group:
+        cells = [entry["method"]]
+        for _, where in columns:
+            figures = _calibrated(entry, where)
+            if figures is None:
+                cells.append("n/a")
+                continue
+            values = [
+                mean_cell(figures[part].get(metric))
+                for part in ("in_distribution", "shift_mean")
+            ]
+            cells.append(" / ".join(values))
+        table.append(cells)
+    return table
+
+
+def _calibration_caption(second: str) -> str:
+    """The NLL table's caption: what each calibration fits, on which examples."""
     fitted = "temperature" if second == "ece" else "std scale"
     strengths = ", ".join(f"{s:g}" for s in NOISE_STRENGTHS)
-    lines = [
-        "",
+    return (
         "NLL in distribution / under shift, as trained and at each calibration "
         f"(pooled: one {fitted} of the pooled predictive; members: one per "
         "member, then pooled; noisy: fitted on the held-out examples and copies "
@@ -285,44 +316,45 @@ def calibration_tables(
             else "; spread apart: the members' stds scaled on the clean "
             "examples, their disagreement on the noisy copies"
         )
-        + "):",
-        "",
-        render_table(header, rows("nll"), markdown=markdown, left=0),
-        "",
-        f"{'ECE' if second == 'ece' else '90% coverage'} in distribution / under "
-        f"shift, the same calibrations:",
-        "",
-        render_table(header, rows(second), markdown=markdown, left=0),
-    ]
+        + "):"
+    )
+
+
+#: How the diversity table names the figures of an entry's ``diversity``.
+_DIVERSITY_NAMES = {
+    "pairwise_disagreement": "pairwise disagreement",
+    "pairwise_kl": "pairwise KL",
+    "epistemic_share": "epistemic share of the variance",
+}
+
+
+def _diversity_table(group: list[dict[str, Any]], *, markdown: bool) -> list[str]:
+    """The members' diversity as trained: text lines (none without figures)."""
     diverse = [entry for entry in group if "diversity" in entry]
-    if diverse:
-        keys = list(diverse[0]["diversity"]["in_distribution"])
-        names = {
-            "pairwise_disagreement": "pairwise disagreement",
-            "pairwise_kl": "pairwise KL",
-            "epistemic_share": "epistemic share of the variance",
-        }
-        lines += [
-            "",
-            "The members' diversity as trained, in distribution / under shift:",
-            "",
-            render_table(
-                ["method", *(names.get(k, k) for k in keys)],
-                [
-                    [
-                        entry["method"],
-                        *(
-                            " / ".join(
-                                mean_cell(entry["diversity"][part].get(key))
-                                for part in ("in_distribution", "shift_mean")
-                            )
-                            for key in keys
-                        ),
-                    ]
-                    for entry in diverse
-                ],
-                markdown=markdown,
-                left=0,
+    if not diverse:
+        return []
+    keys = list(diverse[0]["diversity"]["in_distribution"])
+    rows = [
+        [
+            entry["method"],
+            *(
+                " / ".join(
+                    mean_cell(entry["diversity"][part].get(key))
+                    for part in ("in_distribution", "shift_mean")
+                )
+                for key in keys
             ),
         ]
-    return lines
+        for entry in diverse
+    ]
+    return [
+        "",
+        "The members' diversity as trained, in distribution / under shift:",
+        "",
+        render_table(
+            ["method", *(_DIVERSITY_NAMES.get(key, key) for key in keys)],
+            rows,
+            markdown=markdown,
+            left=0,
+        ),
+    ]

@@ -71,6 +71,8 @@ class QualityData:
       y_valid: their labels (given with ``x_valid``, or ``None``).
       regression: the targets are real numbers, not class labels: the
         benchmark trains Gaussian-head regressors (``docs/regression.md``).
+        The task's kind is declared here
+        (:mod:`~ensembles.benchmark.quality.kinds` picks it from this flag).
       noise_std: regression only, optional: the true standard deviation of
         each test target's noise ``[N_test]`` (``[N_test, D]``), known for a
         synthetic task: the benchmark then scores the members' aleatoric

@@ -3,11 +3,24 @@
 Everything the benchmark does differently for a classifier and a regressor
 is asked of the task's kind, a :class:`TaskKind`:
 :data:`~ensembles.benchmark.quality.classification.kind.CLASSIFICATION` or
-:data:`~ensembles.benchmark.quality.regression.kind.REGRESSION`. Nothing
-else reads whether a task is a regression: the kind is picked here once,
-from the data (:func:`kind_of`), from a row or summary entry
-(:func:`kind_of_entry`), or from a public ``regression=`` argument
-(:func:`kind_for`).
+:data:`~ensembles.benchmark.quality.regression.kind.REGRESSION`. The kind is
+picked here once, from the data (:func:`kind_of`), from a row or summary
+entry (:func:`kind_of_entry`), or from a public ``regression=`` argument
+(:func:`kind_for`); training, scoring, calibration, the reports and the
+command ask it and never read whether a task is a regression.
+
+The data is where a task declares its kind, as a Flax module declares its
+options: the ``regression`` flag of a
+:class:`~ensembles.benchmark.quality.data.QualityData` (public API), or of a
+:class:`~ensembles.benchmark.quality.real_data.RealTask`, which builds one.
+Besides :func:`kind_of`, only those two read the flag, each its own:
+:class:`~ensembles.benchmark.quality.data.QualityData` to check its arrays as
+they enter (labels or real targets; ``num_classes`` or ``target_shape``), and
+:func:`~ensembles.benchmark.quality.real_data.build_real_task` to read a
+table's target column as labels or as numbers. Asking a kind there would
+turn the imports around: a kind trains and scores a ``QualityData`` (this
+module imports the data), while the data is built before, and without, any
+of that.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import ensembles
 from ensembles import uncertainty
 from ensembles.benchmark import cli, main
-from ensembles.benchmark.quality.calibration import noisy_validation
+from ensembles.benchmark.quality.calibration import RECOMMENDED, noisy_validation
 from ensembles.benchmark.quality.classification.mnist1d import (
     SHIFTS,
     load_quality_data,
@@ -669,6 +669,51 @@ def test_format_quality_takes_rows_or_a_summary_and_names_the_best():
     best = [line for line in lines if line.startswith("best")]
     assert len(best) == 2  # recalibrated, as trained
     assert "deep_ensemble" in best[0] and "single" not in best[0]
+
+
+def test_the_first_table_is_every_method_at_the_recommended_calibration():
+    # The members' temperatures give other figures than the pooled one: the
+    # first table, its best row and the first gap line are theirs.
+    def row(method, nll, members_nll, seed):
+        measured = _row(method, nll, seed, calibrated=nll + 0.05)
+        measured["calibrations"] = {
+            RECOMMENDED: {
+                "temperature": 1.0 + seed,
+                "in_distribution": {"nll": members_nll},
+                "shift_mean": {"nll": 2 * members_nll},
+            }
+        }
+        return measured
+
+    rows = [
+        row(method, nll, members_nll, seed)
+        for seed in (0, 1)
+        for method, nll, members_nll in (
+            ("single", 0.9, 0.8),
+            ("batchensemble", 0.6, 0.75),
+            ("deep_ensemble", 0.5, 0.7),
+        )
+    ]
+    entry = {e["method"]: e for e in summarize(rows)}["batchensemble"]
+    # (0.8 - 0.75) / (0.8 - 0.7) of the gap at the recommended calibration;
+    # (0.95 - 0.65) / (0.95 - 0.55) recalibrated.
+    assert entry["gap_closed_recommended"] == pytest.approx(
+        {"in_distribution": 0.5, "shift_mean": 0.5}
+    )
+    assert entry["gap_closed"] == pytest.approx(
+        {"in_distribution": 0.75, "shift_mean": 0.75}
+    )
+    text = format_quality(rows)
+    lines = text.splitlines()
+    first = lines.index(next(line for line in lines if "recommended cal" in line))
+    assert first < lines.index(next(x for x in lines if x.startswith("Recalibrated")))
+    table = lines[first + 2 : first + 8]
+    assert "mean T" in table[0]
+    single = next(line for line in table if line.startswith("single"))
+    assert "1.500" in single and "0.800" in single and "1.600" in single
+    assert "0.950" not in single  # the pooled temperature's figure
+    assert "closes this much of the recommended-calibration NLL gap" in text
+    assert "in distribution 50%" in text
 
 
 # ---------------------------------------------------------------- command

@@ -58,6 +58,7 @@ __all__ = [
     "CALIBRATIONS",
     "CLASSIFIER_CALIBRATIONS",
     "NOISE_STRENGTHS",
+    "RECOMMENDED",
     "REGRESSOR_CALIBRATIONS",
     "cached",
     "calibrate_classifier",
@@ -80,6 +81,14 @@ CALIBRATIONS: tuple[str, ...] = (
     "members_noisy",
     "members_noisy_pooled",
 )
+
+#: The calibration the docs recommend for both kinds (docs/training.md), what
+#: each kind's first table shows every method at: one temperature (a
+#: regressor's std scale) per member, fitted on the clean held-out examples,
+#: then the members pooled. Chosen by ``benchmarks/recipe_rule.py``, the rule
+#: registered before the results, on 8 of 9 classification and 6 of 8
+#: regression folds of the task pool, each fold leaving one task out.
+RECOMMENDED: str = "members"
 
 #: Every calibration a classifier is measured at beside ``recalibrated``.
 CLASSIFIER_CALIBRATIONS: tuple[str, ...] = (*CALIBRATIONS, "ets", "adaptive")

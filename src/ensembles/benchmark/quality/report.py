@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.kinds import kind_of_entry
 from ensembles.benchmark.quality.methods import closes_gap
 from ensembles.benchmark.quality.tables import GAP, groups_of
@@ -108,6 +109,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
       rows with a single model and a deep ensemble beside them gives the
       fraction of the NLL gap from one model to the deep ensemble that it
       closes, in distribution and under shift (mean over severities),
+      at the recommended calibration (``gap_closed_recommended``:
+      :data:`~ensembles.benchmark.quality.calibration.RECOMMENDED`),
       recalibrated (``gap_closed``) and as trained
       (``gap_closed_as_trained``); ``None`` where the deep ensemble is no
       better than one model by more than noise (at least :data:`MIN_GAP` of
@@ -151,6 +154,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for metric in kind_of_entry(entry).gap_metrics:
             suffix = "" if metric == "nll" else f"_{metric}"
             for name, pick in (
+                (f"gap_closed{suffix}_recommended", _recommended),
                 (f"gap_closed{suffix}", lambda e: e.get("recalibrated")),
                 (f"gap_closed{suffix}_as_trained", lambda e: e),
             ):
@@ -168,6 +172,11 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     if metric in pick(entry).get(part, {})
                 }
     return summary
+
+
+def _recommended(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """An entry's figures at the recommended calibration (``None``: not measured)."""
+    return (entry.get("calibrations") or {}).get(RECOMMENDED)
 
 
 def _gap_closed(
@@ -195,7 +204,10 @@ def summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
-    """The quality tables: recalibrated, as trained, then NLL / ECE per severity.
+    """The quality tables: recommended calibration, recalibrated, as trained, ....
+
+    Each task's methods at the recommended calibration, recalibrated, as
+    trained, then NLL / ECE per severity and the rest.
 
     Takes the rows of :func:`~ensembles.benchmark.quality.run.run_quality` (it
     summarises them) or their :func:`summarize`.
@@ -215,21 +227,27 @@ def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False)
     ...                               else 0.8, "fpr95_entropy": 0.5,
     ...                               "fpr95_mi": None if method == "single"
     ...                               else 0.4}},
-    ...             "temperature": 1.0, "recalibrated": measured}
+    ...             "temperature": 1.0, "recalibrated": measured,
+    ...             "calibrations": {"members": {"temperature": 1.2, **measured}}}
     >>> rows = [row(method, nll, seed) for seed in (0, 1) for method, nll in
     ...         (("single", 0.3), ("batchensemble", 0.2), ("deep_ensemble", 0.1))]
     >>> print(format_quality(rows, markdown=True))
     **cnn on MNIST-1D, E=4, mean ± std over 2 seeds**
     <BLANKLINE>
-    Recalibrated: every method at its own temperature T, fitted on held-out ...
+    At the recommended calibration: every method's members at a temperature ...
     <BLANKLINE>
-    | method | params | train s | T | acc | NLL | ECE | Brier | shift acc | ...
+    | method | params | train s | mean T | acc | NLL | ECE | Brier | shift acc | ...
     |:---|---:|---:|...
-    | single | 10 | 1.0 | 1.000 ± 0.000 | 0.900 ± 0.000 | 0.300 ± 0.000 | ...
-    | batchensemble | 10 | 1.0 | 1.000 ± 0.000 | 0.900 ± 0.000 | 0.200 ± 0.000 | ...
+    | single | 10 | 1.0 | 1.200 ± 0.000 | 0.900 ± 0.000 | 0.300 ± 0.000 | ...
+    | batchensemble | 10 | 1.0 | 1.200 ± 0.000 | 0.900 ± 0.000 | 0.200 ± 0.000 | ...
     | deep_ensemble | ...
     | best | | | | (tie) | deep_ensemble | (tie) | ...
     <BLANKLINE>
+    Recalibrated: every method's pooled predictive at one temperature T, ...
+    <BLANKLINE>
+    | method | params | train s | T | acc | NLL | ECE | Brier | shift acc | ...
+    ...
+    batchensemble closes ... recommended-calibration NLL gap ...: in ...
     batchensemble closes ... recalibrated NLL gap ...: in distribution 50%, ...
     batchensemble closes this much of the as trained NLL gap ...
     <BLANKLINE>

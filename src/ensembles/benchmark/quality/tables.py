@@ -153,8 +153,12 @@ def title(group: list[dict[str, Any]]) -> str:
 def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
     """One line per method: the share of the ``metric`` gap it closes."""
     suffix = "" if metric == "nll" else f"_{metric}"
-    keys = (f"gap_closed{suffix}", f"gap_closed{suffix}_as_trained")
-    gaps = [entry[key] for entry in group for key in keys if entry.get(key)]
+    labelled = (
+        (f"gap_closed{suffix}_recommended", "recommended-calibration"),
+        (f"gap_closed{suffix}", "recalibrated"),
+        (f"gap_closed{suffix}_as_trained", "as trained"),
+    )
+    gaps = [entry[key] for entry in group for key, _ in labelled if entry.get(key)]
     seeds = {entry["method"]: entry.get("seeds", 0) for entry in group}
     ends = [seeds.get(name) for name in GAP]
     if not gaps and None not in ends and min(ends) < 2:
@@ -168,14 +172,11 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
             f"No {metric.upper()} gap to close: the deep ensemble is not better "
             "than one model beyond noise (by a fiftieth of one model's and two "
             "standard errors), in distribution or under shift, as trained or "
-            "recalibrated."
+            "calibrated."
         )
     lines = []
     for entry in group:
-        for key, label in (
-            (f"gap_closed{suffix}", "recalibrated"),
-            (f"gap_closed{suffix}_as_trained", "as trained"),
-        ):
+        for key, label in labelled:
             gap = entry.get(key)
             if not gap:
                 continue

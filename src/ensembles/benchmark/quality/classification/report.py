@@ -1,7 +1,10 @@
 """The tables of ``ensembles-bench --quality`` for a classification task.
 
-The first table is the fair comparison: every method after its own
-temperature, fitted on held-out training data; then the share of the NLL gap
+The first table is the headline: every method at the recommended
+calibration (:data:`~ensembles.benchmark.quality.calibration.RECOMMENDED`:
+a temperature per member, fitted on held-out training data); the second
+the fair comparison by one temperature of each method's pooled predictive;
+then the share of the NLL gap
 from one model to the deep ensemble that each method closes; then the
 figures as trained, with out-of-distribution detection by total entropy and
 mutual information; then NLL / ECE per severity, every method at each
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.classification.toolbox_report import toolbox_tables
 from ensembles.benchmark.quality.tables import (
     best_row,
@@ -58,10 +62,31 @@ _OOD: tuple[tuple[str, str, bool], ...] = (
 
 
 def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "params", "train s", "T", *(c[0] for c in _RECALIBRATED)]
+    """Every method at one temperature of its pooled predictive."""
+    return _calibrated_table(
+        group,
+        "T",
+        lambda e: e["recalibrated"],
+        lambda e: cell(e["temperature"], e["seeds"]) + _at_bound(e),
+    )
+
+
+def _recommended_table(group) -> tuple[list[str], list[list[str]]]:
+    """Every method at the recommended calibration (mean T over members)."""
+    return _calibrated_table(
+        group,
+        "mean T",
+        lambda e: e["calibrations"][RECOMMENDED],
+        lambda e: cell(e["calibrations"][RECOMMENDED]["temperature"], e["seeds"]),
+    )
+
+
+def _calibrated_table(group, parameter, figures, fitted):
+    """``figures(entry)``'s columns of :data:`_RECALIBRATED`, ``fitted`` its T."""
+    header = ["method", "params", "train s", parameter, *(c[0] for c in _RECALIBRATED)]
     columns = [
         (
-            lambda e, where=where, metric=metric: e["recalibrated"][where].get(metric),
+            lambda e, where=where, metric=metric: figures(e)[where].get(metric),
             high,
         )
         for _, where, metric, high in _RECALIBRATED
@@ -71,7 +96,7 @@ def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
             method_label(entry),
             f"{entry['params']:,}",
             f"{entry['train_s']['mean']:.1f}",
-            cell(entry["temperature"], entry["seeds"]) + _at_bound(entry),
+            fitted(entry),
             *(cell(stats_of(entry), entry["seeds"]) for stats_of, _ in columns),
         ]
         for entry in group
@@ -125,12 +150,21 @@ def classification_block(group: list[dict[str, Any]], *, markdown: bool = False)
     """
     heading = f"**{title(group)}**" if markdown else title(group)
     held = group[0].get("validation_examples")
-    block = [
-        heading,
+    held = (f"{held:,} " if held else "") + "held-out training examples"
+    block = [heading]
+    if all(RECOMMENDED in (entry.get("calibrations") or {}) for entry in group):
+        block += [
+            "",
+            "At the recommended calibration: every method's members at a "
+            f"temperature each, fitted on {held} (never the test set), then "
+            "pooled (docs/training.md):",
+            "",
+            render_table(*_recommended_table(group), markdown=markdown, left=0),
+        ]
+    block += [
         "",
-        "Recalibrated: every method at its own temperature T, fitted on "
-        + (f"{held:,} " if held else "")
-        + "held-out training examples (never the test set):",
+        "Recalibrated: every method's pooled predictive at one temperature T, "
+        f"fitted on {held} (never the test set):",
         "",
         render_table(*_recalibrated_table(group), markdown=markdown, left=0),
     ]

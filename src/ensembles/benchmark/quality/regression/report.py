@@ -1,7 +1,10 @@
 """The tables of ``ensembles-bench --quality`` for a regression task.
 
-The first table is the fair comparison: every method after its own scale of
-the predictive's spread, fitted on held-out training data; then the share
+The first table is the headline: every method at the recommended
+calibration (:data:`~ensembles.benchmark.quality.calibration.RECOMMENDED`:
+a scale of each member's std, fitted on held-out training data); the second
+the fair comparison by one scale of each method's whole predictive spread;
+then the share
 of the NLL and CRPS gaps from one model to the deep ensemble that each
 method closes; then the figures as trained, with out-of-distribution
 detection by the members' disagreement (epistemic variance) and by the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.tables import (
     best_row,
     calibration_tables,
@@ -92,17 +96,46 @@ def _best(group, columns) -> list[str]:
 
 
 def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
-    columns = _columns(_RECALIBRATED, "recalibrated")
-    header = ["method", "params", "train s", "scale", *(c[0] for c in _RECALIBRATED)]
+    """Every method with its whole predictive's spread scaled once."""
 
-    def lead(entry):
+    def scale(entry):
         at_bound = entry.get("std_scale_at_bound")
         star = "*" if at_bound is not None and at_bound["mean"] else ""
+        return cell(entry["std_scale"], entry["seeds"]) + star
+
+    return _calibrated_table(
+        group, "scale", _columns(_RECALIBRATED, "recalibrated"), scale
+    )
+
+
+def _recommended_table(group) -> tuple[list[str], list[list[str]]]:
+    """Every method at the recommended calibration (mean scale over members)."""
+
+    def figures(entry):
+        return entry["calibrations"][RECOMMENDED]
+
+    columns = [
+        (lambda e, where=where, metric=metric: figures(e)[where].get(metric), high)
+        for _, where, metric, high in _RECALIBRATED
+    ]
+    return _calibrated_table(
+        group,
+        "mean scale",
+        columns,
+        lambda e: cell(figures(e)["std_scale"], e["seeds"]),
+    )
+
+
+def _calibrated_table(group, parameter, columns, fitted):
+    """``columns`` of :data:`_RECALIBRATED` after a calibration ``fitted`` names."""
+    header = ["method", "params", "train s", parameter, *(c[0] for c in _RECALIBRATED)]
+
+    def lead(entry):
         return [
             method_label(entry),
             f"{entry['params']:,}",
             f"{entry['train_s']['mean']:.1f}",
-            cell(entry["std_scale"], entry["seeds"]) + star,
+            fitted(entry),
         ]
 
     rows = _rows(group, columns, lead)
@@ -185,14 +218,26 @@ def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> 
     def table(header_rows):
         return render_table(*header_rows, markdown=markdown, left=0)
 
+    held = (f"{held:,} " if held else "") + "held-out training examples"
     block = [
         heading,
         "",
-        "Recalibrated: every method's predictive spread scaled by its own factor, "
-        "fitted on "
-        + (f"{held:,} " if held else "")
-        + "held-out training examples (never the test set); in the targets' "
-        "units (cov 90: share of targets in the central 90% interval):",
+        "Every figure in the targets' units; cov 90: the share of targets in "
+        "the central 90% interval.",
+    ]
+    if all(RECOMMENDED in (entry.get("calibrations") or {}) for entry in group):
+        block += [
+            "",
+            "At the recommended calibration: every method's members' stds "
+            f"scaled by a factor each, fitted on {held} (never the test set), "
+            "then pooled (docs/training.md):",
+            "",
+            table(_recommended_table(group)),
+        ]
+    block += [
+        "",
+        "Recalibrated: every method's whole predictive spread scaled by one "
+        f"factor, fitted on {held} (never the test set):",
         "",
         table(_recalibrated_table(group)),
     ]

@@ -204,10 +204,10 @@ def summary_of(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_quality(results: Sequence[dict[str, Any]], *, markdown: bool = False) -> str:
-    """The quality tables: recommended calibration, recalibrated, as trained, ....
+    """The quality tables, one block per task, model and E.
 
-    Each task's methods at the recommended calibration, recalibrated, as
-    trained, then NLL / ECE per severity and the rest.
+    Each block gives the methods at the recommended calibration, then
+    recalibrated, as trained, NLL / ECE per severity and the rest.
 
     Takes the rows of :func:`~ensembles.benchmark.quality.run.run_quality` (it
     summarises them) or their :func:`summarize`.

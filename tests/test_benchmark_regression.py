@@ -168,6 +168,7 @@ def _fixed(outputs_of):
     )
 
 
+@pytest.mark.slow
 def test_evaluate_regression_scores_the_mixture_in_target_units():
     data = _tiny()
     train, x_valid, y_valid = split_validation(data)

@@ -142,6 +142,7 @@ def test_a_diverged_classifier_has_nan_toolbox_figures():
     assert math.isnan(result["ood_scores"]["far"]["auroc_energy"])
 
 
+@pytest.mark.slow
 def test_regressor_conformal_intervals_equal_the_uncertainty_module():
     rng = np.random.default_rng(1)
     x = rng.uniform(-2, 2, (300, 1)).astype(np.float32)

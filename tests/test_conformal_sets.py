@@ -155,7 +155,16 @@ def test_too_few_examples_give_an_infinite_threshold_and_full_sets():
 # ------------------------------------------------------------------ guarantee
 
 
-@pytest.mark.parametrize(("score", "randomised"), [*VARIANTS, ("lac", "members")])
+# The threshold method in the quick tier; the other scores (3 s each to
+# compile and run their 1,000 splits) in the slow tier.
+@pytest.mark.parametrize(
+    ("score", "randomised"),
+    [
+        VARIANTS[0],
+        *(pytest.param(*v, marks=pytest.mark.slow) for v in VARIANTS[1:]),
+        pytest.param("lac", "members", marks=pytest.mark.slow),
+    ],
+)
 def test_coverage_over_a_thousand_random_splits(score, randomised):
     # (n + 1) level = 94.5 falls midway between two ranks, so the exact
     # expected coverage 95 / 105 sits midway in [level, level + 1 / (n + 1)]:

@@ -104,7 +104,10 @@ def test_a_negative_margin_narrows_and_too_few_entries_give_inf():
     assert float(lower[0]) == -np.inf and float(upper[0]) == np.inf
 
 
-@pytest.mark.parametrize("kind", ["mixture_interval", "mean_plus_minus_sd"])
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param("mixture_interval", marks=pytest.mark.slow), "mean_plus_minus_sd"],
+)
 def test_coverage_over_a_thousand_random_splits(kind):
     # As for the conformal sets: (n + 1) level = 94.5, so the exact expected
     # coverage 95 / 105 lies midway in [level, level + 1 / (n + 1)].

@@ -58,6 +58,7 @@ def test_int64_targets_are_not_wrapped(score, expected):
     np.testing.assert_allclose(score(BIG), score(BIG.astype(np.float64)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_benchmark_scores_int64_targets_as_their_values():
     """A predictor within about 30 of targets near 3e9: the same figures
     whether the targets come as int64 or float64."""

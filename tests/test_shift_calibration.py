@@ -248,6 +248,7 @@ def _measure_on(x, y, predict, regression):
     return measure
 
 
+@pytest.mark.slow
 def test_the_benchmark_s_two_stage_calibration_is_members_then_one_level():
     # members_noisy_pooled: each member's temperature from the noisy copies,
     # then one temperature of the pooled, rescaled predictive from the clean

@@ -25,11 +25,11 @@ severities and shift families they have:
 >>> def tiny(rngs):
 ...     return nnx.Sequential(nnx.Linear(6, 2, rngs=rngs))
 >>> rows = run_quality(models=[tiny], members=[2], steps=4, data=mine,
-...                    methods=["single", "finetuned"])
+...                    methods=["single"])
 >>> [(row["model"], row["method"], row["steps"]) for row in rows]
-[('tiny', 'single', 4), ('tiny', 'finetuned', 1)]
+[('tiny', 'single', 4)]
 >>> [(row["members"], row["seed"]) for row in rows]
-[(2, 0), (2, 0)]
+[(2, 0)]
 >>> sorted(rows[0]["in_distribution"])
 ['accuracy', 'aurc', 'brier', 'ece', 'nll']
 >>> [level["severity"] for level in rows[0]["recalibrated"]["shift"]]

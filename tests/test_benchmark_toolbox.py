@@ -53,7 +53,10 @@ def _classification(num_members):
     return trained, data, x[200:300], y[200:300]
 
 
-@pytest.mark.parametrize("num_members", [pytest.param(1, marks=pytest.mark.slow), 3])
+# The slow tier: each compiles the whole toolbox's figures (10 s); the quick
+# tier runs it through run_quality's doctest, without this comparison.
+@pytest.mark.slow
+@pytest.mark.parametrize("num_members", [1, 3])
 def test_classifier_toolbox_figures_equal_the_uncertainty_module(num_members):
     trained, data, x_valid, y_valid = _classification(num_members)
     result = evaluate(trained, data, x_valid=x_valid, y_valid=y_valid)

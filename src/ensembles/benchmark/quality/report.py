@@ -15,10 +15,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.kinds import kind_of_entry
 from ensembles.benchmark.quality.methods import closes_gap
-from ensembles.benchmark.quality.tables import GAP, groups_of
+from ensembles.benchmark.quality.tables import GAP, groups_of, recommended
 
 __all__ = [
     "MIN_GAP",
@@ -154,7 +153,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for metric in kind_of_entry(entry).gap_metrics:
             suffix = "" if metric == "nll" else f"_{metric}"
             for name, pick in (
-                (f"gap_closed{suffix}_recommended", _recommended),
+                (f"gap_closed{suffix}_recommended", recommended),
                 (f"gap_closed{suffix}", lambda e: e.get("recalibrated")),
                 (f"gap_closed{suffix}_as_trained", lambda e: e),
             ):
@@ -172,11 +171,6 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     if metric in pick(entry).get(part, {})
                 }
     return summary
-
-
-def _recommended(entry: dict[str, Any]) -> dict[str, Any] | None:
-    """An entry's figures at the recommended calibration (``None``: not measured)."""
-    return (entry.get("calibrations") or {}).get(RECOMMENDED)
 
 
 def _gap_closed(

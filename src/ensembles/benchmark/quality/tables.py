@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ensembles.benchmark.quality.calibration import NOISE_STRENGTHS
+from ensembles.benchmark.quality.calibration import NOISE_STRENGTHS, RECOMMENDED
 from ensembles.benchmark.report import render_table
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "mean_and_std",
     "mean_cell",
     "method_label",
+    "recommended",
     "severity_table",
     "title",
 ]
@@ -198,6 +199,15 @@ def gap_lines(group: list[dict[str, Any]], metric: str = "nll") -> str:
                 + "."
             )
     return "\n".join(lines)
+
+
+def recommended(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """An entry's figures at the recommended calibration (``None``: not measured).
+
+    :data:`~ensembles.benchmark.quality.calibration.RECOMMENDED`'s entry of
+    its ``calibrations``; results of an older run have none.
+    """
+    return (entry.get("calibrations") or {}).get(RECOMMENDED)
 
 
 def method_label(entry: dict[str, Any]) -> str:

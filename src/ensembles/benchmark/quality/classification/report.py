@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.classification.toolbox_report import toolbox_tables
 from ensembles.benchmark.quality.tables import (
     best_row,
@@ -26,6 +25,7 @@ from ensembles.benchmark.quality.tables import (
     cell,
     gap_lines,
     method_label,
+    recommended,
     severity_table,
     title,
 )
@@ -76,8 +76,8 @@ def _recommended_table(group) -> tuple[list[str], list[list[str]]]:
     return _calibrated_table(
         group,
         "mean T",
-        lambda e: e["calibrations"][RECOMMENDED],
-        lambda e: cell(e["calibrations"][RECOMMENDED]["temperature"], e["seeds"]),
+        recommended,
+        lambda e: cell(recommended(e)["temperature"], e["seeds"]),
     )
 
 
@@ -152,7 +152,7 @@ def classification_block(group: list[dict[str, Any]], *, markdown: bool = False)
     held = group[0].get("validation_examples")
     held = (f"{held:,} " if held else "") + "held-out training examples"
     block = [heading]
-    if all(RECOMMENDED in (entry.get("calibrations") or {}) for entry in group):
+    if all(recommended(entry) is not None for entry in group):
         block += [
             "",
             "At the recommended calibration: every method's members at a "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ensembles.benchmark.quality.calibration import RECOMMENDED
 from ensembles.benchmark.quality.tables import (
     best_row,
     calibration_tables,
@@ -26,6 +25,7 @@ from ensembles.benchmark.quality.tables import (
     gap_lines,
     mean_cell,
     method_label,
+    recommended,
     severity_table,
     title,
 )
@@ -110,19 +110,15 @@ def _recalibrated_table(group) -> tuple[list[str], list[list[str]]]:
 
 def _recommended_table(group) -> tuple[list[str], list[list[str]]]:
     """Every method at the recommended calibration (mean scale over members)."""
-
-    def figures(entry):
-        return entry["calibrations"][RECOMMENDED]
-
     columns = [
-        (lambda e, where=where, metric=metric: figures(e)[where].get(metric), high)
+        (lambda e, where=where, metric=metric: recommended(e)[where].get(metric), high)
         for _, where, metric, high in _RECALIBRATED
     ]
     return _calibrated_table(
         group,
         "mean scale",
         columns,
-        lambda e: cell(figures(e)["std_scale"], e["seeds"]),
+        lambda e: cell(recommended(e)["std_scale"], e["seeds"]),
     )
 
 
@@ -225,7 +221,7 @@ def regression_block(group: list[dict[str, Any]], *, markdown: bool = False) -> 
         "Every figure in the targets' units; cov 90: the share of targets in "
         "the central 90% interval.",
     ]
-    if all(RECOMMENDED in (entry.get("calibrations") or {}) for entry in group):
+    if all(recommended(entry) is not None for entry in group):
         block += [
             "",
             "At the recommended calibration: every method's members' stds "
